@@ -1,0 +1,61 @@
+"""Attention backends, chosen by `--attention-backend` and imported lazily by name.
+
+Contract of a backend: `init_forward_metadata(fb)` runs once per step (not per layer) and may
+store what it derives in `fb.attn_metadata`; `forward_extend` / `forward_decode` compute attention
+for one layer after `RadixAttention` has written this step's K/V into the pool at
+`fb.out_cache_loc`. Queries are `[tokens, heads, head_dim]`; the result has the same shape. A backend
+never changes the pools' bookkeeping and never touches the radix tree.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from srt.layers.forward_batch import ForwardBatch
+    from srt.layers.radix_attention import RadixAttention
+
+# name -> "module:Class"; heavy dependencies are imported only when the backend is chosen.
+_BACKENDS: dict[str, str] = {
+    "torch": "srt.layers.attention.torch_backend:TorchAttnBackend",
+}
+
+
+class AttentionBackend:
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        """Per-step preparation shared by all layers."""
+
+    def forward_extend(
+        self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", layer: "RadixAttention",
+        fb: "ForwardBatch",
+    ) -> "torch.Tensor":
+        raise NotImplementedError
+
+    def forward_decode(
+        self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", layer: "RadixAttention",
+        fb: "ForwardBatch",
+    ) -> "torch.Tensor":
+        raise NotImplementedError
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def resolve_backend_name(name: str, device_type: str) -> str:
+    """`auto` -> the best backend for the device (torch on the CPU)."""
+    if name == "auto":
+        return "torch"
+    if name not in _BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; available: {', '.join(available_backends())}"
+        )
+    return name
+
+
+def create_attention_backend(name: str, **kwargs: Any) -> AttentionBackend:
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(**kwargs)

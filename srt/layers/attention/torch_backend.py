@@ -1,0 +1,72 @@
+"""Reference attention in plain torch, reading K/V from the pool through `req_to_token`.
+
+Runs on the CPU and the GPU. Extend: one scaled-dot-product call per request over its whole
+context (cached prefix + new tokens), causal with the prefix offset. Decode: all requests at once,
+padded to the longest context and masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from srt.layers.attention import AttentionBackend
+from srt.layers.forward_batch import ForwardBatch
+from srt.layers.radix_attention import RadixAttention
+
+
+class TorchAttnBackend(AttentionBackend):
+    def __init__(self, **_: object) -> None:
+        pass
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.forward_mode.is_extend():
+            fb.attn_metadata = None
+            return
+        # DECODE: the slots of every context, padded to the longest; padded columns are masked.
+        max_len = max(fb.seq_lens_cpu)
+        rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].long()
+        cols = torch.arange(max_len, device=rows.device)
+        valid = cols.unsqueeze(0) < fb.seq_lens.unsqueeze(1)
+        fb.attn_metadata = (rows, valid)
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        out = torch.empty_like(q)
+        req_to_token = fb.req_to_token_pool.req_to_token
+        start = 0
+        for i in range(fb.batch_size):
+            ext, seq, pre = fb.extend_lens_cpu[i], fb.seq_lens_cpu[i], fb.prefix_lens_cpu[i]
+            slots = req_to_token[fb.req_pool_indices[i], :seq].long()
+            qi = q[start : start + ext].transpose(0, 1)  # [heads, ext, d]
+            ki = k_buf[slots].transpose(0, 1)  # [kv_heads, seq, d]
+            vi = v_buf[slots].transpose(0, 1)
+            # query t sits at position pre + t and sees keys 0..pre + t
+            mask = torch.ones(ext, seq, dtype=torch.bool, device=q.device).tril(diagonal=pre)
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, scale=layer.scaling,
+                enable_gqa=layer.num_heads != layer.num_kv_heads,
+            )
+            out[start : start + ext] = oi.transpose(0, 1)
+            start += ext
+        return out
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        rows, valid = fb.attn_metadata
+        bs = fb.batch_size
+        group = layer.num_heads // layer.num_kv_heads
+        keys = k_buf[rows]  # [bs, L, kv_heads, d]
+        values = v_buf[rows]
+        qg = q.view(bs, layer.num_kv_heads, group, layer.head_dim)
+        scores = torch.einsum("bkgd,blkd->bkgl", qg.float(), keys.float()) * layer.scaling
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out = torch.einsum("bkgl,blkd->bkgd", probs, values.float())
+        return out.reshape(bs, layer.num_heads, layer.head_dim).to(q.dtype)

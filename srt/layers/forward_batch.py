@@ -1,0 +1,72 @@
+"""What one forward pass needs to know besides the token ids, scoped by a `with` block.
+
+The model runner builds a `ForwardBatch` once per step and enters `forward_context(fb)`; the
+attention layers read it with `get_forward_batch()`. Nothing threads it through layer signatures
+and nothing sets a global by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from srt.memory_pool import ReqToTokenPool, TokenToKVPool
+
+
+class ForwardMode(enum.Enum):
+    PREFILL = enum.auto()  # no request in the batch has a cached prefix
+    EXTEND = enum.auto()  # only the uncached suffix is computed; the prefix is read from the pool
+    DECODE = enum.auto()  # one new token per request
+
+    def is_extend(self) -> bool:
+        """PREFILL is the special case of EXTEND with every prefix empty."""
+        return self in (ForwardMode.PREFILL, ForwardMode.EXTEND)
+
+
+@dataclass
+class ForwardBatch:
+    """Inputs of one forward pass. Tensors are on the model's device unless named *_cpu.
+
+    input_ids, positions, out_cache_loc: one entry per new token (sum of extend_lens, or batch size
+    in DECODE). seq_lens = prefix_lens + extend_lens per request (DECODE: the length including the
+    new token). req_pool_indices select the requests' rows of req_to_token.
+    """
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    req_to_token_pool: "ReqToTokenPool"
+    token_to_kv_pool: "TokenToKVPool"
+    attn_backend: Any  # srt.layers.attention.AttentionBackend
+    # Per-step metadata the backend computed in init_forward_metadata.
+    attn_metadata: Any = None
+
+
+_current: list[ForwardBatch] = []
+
+
+@contextlib.contextmanager
+def forward_context(fb: ForwardBatch) -> Iterator[ForwardBatch]:
+    _current.append(fb)
+    try:
+        yield fb
+    finally:
+        _current.pop()
+
+
+def get_forward_batch() -> ForwardBatch:
+    if not _current:
+        raise RuntimeError("attention called outside forward_context()")
+    return _current[-1]

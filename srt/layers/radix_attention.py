@@ -1,0 +1,39 @@
+"""The attention layer: writes this step's K/V into the pool, then calls the selected backend.
+
+It never touches the radix tree; where the tokens' slots are is said by `out_cache_loc` and the
+`req_to_token` rows of the ForwardBatch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from srt.layers.forward_batch import get_forward_batch
+
+
+class RadixAttention(nn.Module):
+    def __init__(
+        self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+        self.layer_id = layer_id
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, heads * d], k, v: [T, kv_heads * d] -> [T, heads * d]."""
+        fb = get_forward_batch()
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(self.layer_id)
+        k_buf[fb.out_cache_loc] = k
+        v_buf[fb.out_cache_loc] = v
+        if fb.forward_mode.is_extend():
+            o = fb.attn_backend.forward_extend(q, k, v, self, fb)
+        else:
+            o = fb.attn_backend.forward_decode(q, k, v, self, fb)
+        return o.reshape(-1, self.num_heads * self.head_dim)

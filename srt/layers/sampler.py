@@ -1,0 +1,93 @@
+"""Sampling of one token per request from float32 logits, for a whole batch at once.
+
+Order: penalties, then masks (min_new_tokens), then greedy rows take the argmax and the other rows
+are scaled by temperature, filtered by top-k / top-p / min-p and sampled by an exponential race
+(argmax of p / Exp(1) noise, which draws from p). A request with a seed draws its noise from a
+generator seeded by (seed, output position), so the same seed gives the same output whatever else
+is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-row sampling tensors of one batch, on the device. Built by the scheduler each step."""
+
+    temperatures: torch.Tensor  # [bs] float32; 0 marks a greedy row
+    top_ps: torch.Tensor  # [bs] float32
+    top_ks: torch.Tensor  # [bs] int64; vocab size where disabled
+    min_ps: torch.Tensor  # [bs] float32
+    all_greedy: bool
+    need_top_p_k: bool
+    need_min_p: bool
+    seeds: list[int | None]  # per row
+    positions: list[int]  # per row: how many tokens it has generated (the noise stream's index)
+    # Penalties, present only when some row uses them.
+    frequency_penalties: torch.Tensor | None = None  # [bs]
+    presence_penalties: torch.Tensor | None = None  # [bs]
+    repetition_penalties: torch.Tensor | None = None  # [bs]
+    output_counts: torch.Tensor | None = None  # [bs, vocab] float32 counts of generated tokens
+    seen_mask: torch.Tensor | None = None  # [bs, vocab] bool: token in prompt or output
+    # Tokens forbidden this step (min_new_tokens keeps stop tokens out): [bs, vocab] bool or None.
+    forbidden: torch.Tensor | None = None
+
+
+def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    if info.repetition_penalties is not None and info.seen_mask is not None:
+        p = info.repetition_penalties.unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / p, logits * p)
+        logits = torch.where(info.seen_mask, penalized, logits)
+    if info.output_counts is not None:
+        if info.frequency_penalties is not None:
+            logits = logits - info.frequency_penalties.unsqueeze(1) * info.output_counts
+        if info.presence_penalties is not None:
+            logits = logits - info.presence_penalties.unsqueeze(1) * (info.output_counts > 0)
+    return logits
+
+
+def _exponential_noise(info: SamplingBatchInfo, shape: torch.Size, device: torch.device,
+                       generator: torch.Generator | None) -> torch.Tensor:
+    noise = torch.empty(shape, device=device).exponential_(generator=generator)
+    for row, seed in enumerate(info.seeds):
+        if seed is None:
+            continue
+        g = torch.Generator(device=device)
+        # Mix seed and position into one 63-bit seed (splitmix-style constants).
+        g.manual_seed((seed * 0x9E3779B97F4A7C15 + info.positions[row] * 0xBF58476D1CE4E5B9)
+                      & ((1 << 63) - 1))
+        noise[row].exponential_(generator=g)
+    return noise
+
+
+def sample(logits: torch.Tensor, info: SamplingBatchInfo,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits: [bs, vocab] float32 -> next token ids [bs] int64 (on the logits' device)."""
+    logits = apply_penalties(logits, info)
+    if info.forbidden is not None:
+        logits = logits.masked_fill(info.forbidden, float("-inf"))
+    greedy = logits.argmax(dim=-1)
+    if info.all_greedy:
+        return greedy
+    is_greedy = info.temperatures == 0
+    temps = torch.where(is_greedy, torch.ones_like(info.temperatures), info.temperatures)
+    probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+    if info.need_top_p_k:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+        drop = ranks >= info.top_ks.unsqueeze(1)
+        # drop a token when the tokens strictly before it already reach top_p
+        drop |= (sorted_p.cumsum(-1) - sorted_p) > info.top_ps.unsqueeze(1)
+        drop[:, 0] = False  # the most likely token always stays
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    if info.need_min_p:
+        top = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < info.min_ps.unsqueeze(1) * top, 0.0)
+    noise = _exponential_noise(info, probs.shape, probs.device, generator)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(is_greedy, greedy, sampled)

@@ -1,0 +1,192 @@
+"""Every message that crosses a process boundary, and the one codec for them.
+
+The whole protocol is in this file. Messages are small typed dataclasses registered by name; the
+codec is msgpack with a `{"__t__": name, ...fields}` map per message, decoded only into registered
+classes (no pickle on any socket: a reachable socket must never mean remote code execution).
+
+Imports nothing heavy: every process loads it.
+
+Ring (DESIGN section 2):
+    HTTP (TokenizerManager) --GenerateReqInput/AbortReq/control--> router
+    router --StepInput--> every model rank;  model rank 0 --StepOutput--> router
+    router --BatchTokenIdOut, control results--> detokenizer --BatchStrOut, control results--> HTTP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+import msgpack
+
+_REGISTRY: dict[str, type] = {}
+T = TypeVar("T")
+
+
+def message(cls: type[T]) -> type[T]:
+    """Register a dataclass as a wire message (decodable by name)."""
+    if cls.__name__ in _REGISTRY:
+        raise ValueError(f"duplicate message name {cls.__name__}")
+    _REGISTRY[cls.__name__] = cls
+    return cls
+
+
+# ---------------------------------------------------------------- requests (HTTP -> router -> model)
+
+
+@message
+@dataclass
+class TokenizedGenerateReq:
+    """One validated, tokenized request (one sample: `n` is expanded by the HTTP process)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]  # SamplingParams.to_dict(); validated by the HTTP process
+    stream: bool = False
+    # Samples of one prompt share a group; the scheduler admits one of a group first so the others
+    # find the prompt's KV in the radix cache.
+    group: str | None = None
+
+
+@message
+@dataclass
+class AbortReq:
+    """Stop a request now (client gone, or asked): its KV slots and locks are released."""
+
+    rid: str
+    message: str = "aborted"
+
+
+@message
+@dataclass
+class FlushCacheReq:
+    rid: str
+
+
+@message
+@dataclass
+class GetStatsReq:
+    rid: str
+
+
+@message
+@dataclass
+class StepInput:
+    """What the router sends every model rank for one scheduling round (identical for all ranks)."""
+
+    reqs: list[TokenizedGenerateReq] = field(default_factory=list)
+    aborts: list[AbortReq] = field(default_factory=list)
+    controls: list[Any] = field(default_factory=list)  # FlushCacheReq | GetStatsReq
+
+
+# ---------------------------------------------------------------- results (model -> router -> detok)
+
+
+@message
+@dataclass
+class TokenOut:
+    """New output token ids of one request since its last TokenOut."""
+
+    rid: str
+    new_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    # None while running; {"type": "length", "length": n} | {"type": "stop", "matched": str | int}
+    # | {"type": "abort", "message": str} when finished.
+    finish_reason: dict[str, Any] | None = None
+    # Decoding options the detokenizer needs (sent with every TokenOut; they are small).
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop: list[str] = field(default_factory=list)
+    no_stop_trim: bool = False
+
+
+@message
+@dataclass
+class BatchTokenIdOut:
+    outs: list[TokenOut]
+
+
+@message
+@dataclass
+class FlushCacheOut:
+    rid: str
+    success: bool
+    message: str
+
+
+@message
+@dataclass
+class StatsOut:
+    rid: str
+    stats: dict[str, Any]
+
+
+@message
+@dataclass
+class StepOutput:
+    """Rank 0's answer to one StepInput."""
+
+    token_out: BatchTokenIdOut | None
+    controls: list[Any] = field(default_factory=list)  # FlushCacheOut | StatsOut
+    has_work: bool = False  # requests still running or waiting: the router keeps stepping
+
+
+# ---------------------------------------------------------------- text (detok -> HTTP)
+
+
+@message
+@dataclass
+class StrOut:
+    rid: str
+    text: str  # cumulative output text that is safe to show
+    new_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: dict[str, Any] | None = None
+
+
+@message
+@dataclass
+class BatchStrOut:
+    outs: list[StrOut]
+
+
+# ---------------------------------------------------------------- codec
+
+
+def _default(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and type(obj).__name__ in _REGISTRY:
+        d = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        d["__t__"] = type(obj).__name__
+        return d
+    if isinstance(obj, tuple):
+        return list(obj)
+    raise TypeError(f"cannot encode {type(obj).__name__}: not a registered message")
+
+
+def _object_hook(d: dict[str, Any]) -> Any:
+    name = d.pop("__t__", None)
+    if name is None:
+        return d
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown message type {name!r}")
+    return cls(**d)
+
+
+def encode(obj: Any) -> bytes:
+    """Encode a registered message (nested messages, lists, dicts and scalars allowed)."""
+    return msgpack.packb(obj, default=_default, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    """Decode bytes made by `encode`; only registered message classes are ever constructed."""
+    return msgpack.unpackb(data, object_hook=_object_hook, raw=False, strict_map_key=False)
+
+
+def registered_messages() -> dict[str, Callable[..., Any]]:
+    return dict(_REGISTRY)

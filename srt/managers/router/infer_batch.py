@@ -1,0 +1,106 @@
+"""Requests as the model process sees them, and the per-step batch tensors built from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from srt.layers.sampler import SamplingBatchInfo
+from srt.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)  # identity semantics: requests live in lists and sets
+class Req:
+    """One request (one sample) inside a model process.
+
+    KV state: while running, `req_pool_idx` is its row of req_to_token and the first `kv_len`
+    columns hold its slots. The first `len(prefix_indices)` of those belong to the radix tree and
+    are locked through `last_node`; the rest are the request's own until it is cached or freed.
+    """
+
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    group: str | None = None
+    arrival: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None
+    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    last_node: Any = None
+    extend_input_len: int = 0
+    cached_tokens: int = -1  # prefix length found at the first admission (reported to the user)
+    finish_reason: dict[str, Any] | None = None
+    sent_len: int = 0  # output ids already sent on
+    retractions: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose KV is in the pool while running: all but the last sampled one."""
+        return len(self.origin_input_ids) + len(self.output_ids) - 1
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def build_sampling_info(
+    reqs: list[Req], vocab_size: int, device: torch.device, stop_ids: list[set[int]]
+) -> SamplingBatchInfo:
+    """Per-row sampling tensors for `reqs` (stop_ids[i]: tokens min_new_tokens keeps out)."""
+    ps = [r.sampling_params for r in reqs]
+    temps = [p.temperature if not p.is_greedy else 0.0 for p in ps]
+    top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
+    info = SamplingBatchInfo(
+        temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
+        top_ps=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
+        top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+        min_ps=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device),
+        all_greedy=all(t == 0.0 for t in temps),
+        need_top_p_k=any(p.top_p < 1.0 or 0 < p.top_k < vocab_size for p in ps),
+        need_min_p=any(p.min_p > 0 for p in ps),
+        seeds=[p.seed for p in ps],
+        positions=[len(r.output_ids) for r in reqs],
+    )
+    if any(p.uses_penalties for p in ps):
+        _add_penalties(info, reqs, vocab_size, device)
+    forbid = [
+        (i, sorted(stop_ids[i]))
+        for i, r in enumerate(reqs)
+        if len(r.output_ids) < r.sampling_params.min_new_tokens and stop_ids[i]
+    ]
+    if forbid:
+        mask = torch.zeros((len(reqs), vocab_size), dtype=torch.bool)
+        for i, ids in forbid:
+            mask[i, [t for t in ids if t < vocab_size]] = True
+        info.forbidden = mask.to(device)
+    return info
+
+
+def _add_penalties(info: SamplingBatchInfo, reqs: list[Req], vocab: int,
+                   device: torch.device) -> None:
+    ps = [r.sampling_params for r in reqs]
+    counts = torch.zeros((len(reqs), vocab), dtype=torch.float32)
+    seen = torch.zeros((len(reqs), vocab), dtype=torch.bool)
+    for i, r in enumerate(reqs):
+        if r.output_ids:
+            out = torch.tensor(r.output_ids, dtype=torch.int64)
+            counts[i].scatter_add_(0, out, torch.ones(len(out)))
+        if ps[i].repetition_penalty != 1.0:
+            seen[i, torch.tensor(r.origin_input_ids, dtype=torch.int64)] = True
+    seen |= counts > 0
+    info.output_counts = counts.to(device)
+    info.seen_mask = seen.to(device)
+    info.frequency_penalties = torch.tensor([p.frequency_penalty for p in ps], device=device)
+    info.presence_penalties = torch.tensor([p.presence_penalty for p in ps], device=device)
+    info.repetition_penalties = torch.tensor([p.repetition_penalty for p in ps], device=device)

@@ -1,0 +1,152 @@
+"""ModelRunner: the model, its KV pools and attention backend on one device, and one forward.
+
+Resolves device, dtype and attention backend (`auto` values the HTTP process cannot settle without
+the device), loads the weights, sizes the KV pool from what memory is left, and runs a ForwardBatch
+under `forward_context`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from srt.layers.attention import create_attention_backend, resolve_backend_name
+from srt.layers.forward_batch import ForwardBatch, forward_context
+from srt.memory_pool import ReqToTokenPool, TokenToKVPool
+from srt.model_config import ModelConfig
+from srt.models.loader import init_dummy_weights, iterate_safetensors
+from srt.models.registry import get_model_class
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# On the CPU the pool's pages are only touched when used, but a bound keeps reports sane.
+_CPU_DEFAULT_MAX_TOKENS = 1 << 16
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    device: str
+    dtype: str
+    attention_backend: str
+    max_total_num_tokens: int
+    max_running_requests: int
+    kv_gb: float
+    weight_gb: float
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but no CUDA device is visible")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, config_dtype: str | None, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # half precision matmuls are slow on most CPUs
+    dtype = _DTYPES.get(config_dtype or "", torch.float16)
+    return torch.float16 if dtype == torch.float32 else dtype
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, config: ModelConfig, tp_rank: int) -> None:
+        self.args = args
+        self.config = config
+        self.tp_rank = tp_rank
+        self.device = resolve_device(args.device)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", tp_rank)
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(args.dtype, config.torch_dtype, self.device)
+        torch.manual_seed(args.random_seed or 0)
+        self.model = self._load_model()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        kv_bytes_per_token = (
+            2 * config.num_layers * self.model_kv_heads() * config.head_dim * self.dtype.itemsize
+        )
+        self.max_total_num_tokens = self._pool_tokens(kv_bytes_per_token)
+        self.max_running_requests = args.max_running_requests or min(512, self.max_total_num_tokens)
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests, config.context_len + 8, self.device
+        )
+        self.token_to_kv_pool = TokenToKVPool(
+            self.max_total_num_tokens,
+            config.num_layers,
+            self.model_kv_heads(),
+            config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.backend_name = resolve_backend_name(args.attention_backend, self.device.type)
+        self.attn_backend = create_attention_backend(self.backend_name, runner=self)
+        self.sampler_generator = torch.Generator(device=self.device)
+        self.sampler_generator.manual_seed(args.random_seed or 0)
+
+    def model_kv_heads(self) -> int:
+        return self.model.model.layers[0].self_attn.num_kv_heads
+
+    def info(self) -> RunnerInfo:
+        return RunnerInfo(
+            device=str(self.device),
+            dtype=str(self.dtype).replace("torch.", ""),
+            attention_backend=self.backend_name,
+            max_total_num_tokens=self.max_total_num_tokens,
+            max_running_requests=self.max_running_requests,
+            kv_gb=self.max_total_num_tokens * self.token_to_kv_pool.bytes_per_token / 1e9,
+            weight_gb=self.weight_bytes / 1e9,
+        )
+
+    def _load_model(self) -> torch.nn.Module:
+        cls = get_model_class(self.config.architecture)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(self.config.hf_config, self.config.context_len)
+        finally:
+            torch.set_default_dtype(old)
+        if self.args.load_format == "dummy":
+            init_dummy_weights(model, seed=self.args.random_seed or 0)
+        else:
+            model.load_weights(iterate_safetensors(self.config.path))
+        return model.eval()
+
+    def _pool_tokens(self, bytes_per_token: int) -> int:
+        if self.args.max_total_tokens is not None:
+            return self.args.max_total_tokens
+        frac = self.args.mem_fraction_static
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * frac - (total - free)
+        else:
+            budget = min(frac * _mem_available(), _CPU_DEFAULT_MAX_TOKENS * bytes_per_token)
+        tokens = int(budget // bytes_per_token)
+        if tokens < 16:
+            raise RuntimeError(
+                f"not enough memory for the KV cache ({budget / 1e9:.2f} GB left after the "
+                f"weights); raise --mem-fraction-static or set --max-total-tokens"
+            )
+        return tokens
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Float32 logits [batch, vocab] of each request's next token."""
+        self.attn_backend.init_forward_metadata(fb)
+        with forward_context(fb):
+            return self.model(fb)
+
+
+def _mem_available() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))

@@ -1,0 +1,23 @@
+"""Maps a checkpoint's `architectures` name to our model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "srt.models.llama:LlamaForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type:
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: "
+            f"{', '.join(supported_architectures())}"
+        )
+    module, cls = _MODELS[architecture].split(":")
+    return getattr(importlib.import_module(module), cls)

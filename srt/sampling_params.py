@@ -1,0 +1,157 @@
+"""Sampling parameters of one request, and their validation.
+
+Loaded by every process, so it imports nothing heavy (no torch). The HTTP process validates every
+request with `SamplingParams.from_dict` before anything crosses into another process; the other
+processes trust what they receive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+class SamplingParamError(ValueError):
+    """A sampling parameter is invalid. `param` names the field, for the 400 answer."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. temperature 0 means greedy."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "SamplingParams":
+        """Build and validate from a JSON object. Raises SamplingParamError naming the field."""
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise SamplingParamError("sampling_params", "sampling_params must be an object")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise SamplingParamError(unknown[0], f"unknown sampling parameter {unknown[0]!r}")
+        kw: dict[str, Any] = {}
+        for name, value in d.items():
+            if value is None:
+                continue  # JSON null means "use the default"
+            kw[name] = _coerce(name, value)
+        params = cls(**kw)
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        """Raise SamplingParamError for the first invalid field."""
+        if self.max_new_tokens < 0:
+            raise SamplingParamError("max_new_tokens", "max_new_tokens must be >= 0")
+        if self.min_new_tokens < 0:
+            raise SamplingParamError("min_new_tokens", "min_new_tokens must be >= 0")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise SamplingParamError(
+                "min_new_tokens", "min_new_tokens must be <= max_new_tokens"
+            )
+        if self.temperature < 0:
+            raise SamplingParamError("temperature", "temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamError("top_p", "top_p must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise SamplingParamError("top_k", "top_k must be -1 (disabled) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamError("min_p", "min_p must be in [0, 1]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise SamplingParamError("frequency_penalty", "frequency_penalty must be in [-2, 2]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise SamplingParamError("presence_penalty", "presence_penalty must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise SamplingParamError("repetition_penalty", "repetition_penalty must be in (0, 2]")
+        if self.n < 1:
+            raise SamplingParamError("n", "n must be >= 1")
+        if self.n > 128:
+            raise SamplingParamError("n", "n must be <= 128")
+        if any(s == "" for s in self.stop):
+            raise SamplingParamError("stop", "stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise SamplingParamError("stop_token_ids", "stop_token_ids must be >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "n"}
+_FLOAT_FIELDS = {
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+}
+_BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Check the JSON type of one field. bool is not accepted where a number is meant."""
+    if name in _INT_FIELDS or name == "seed":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SamplingParamError(name, f"{name} must be an integer")
+        return value
+    if name in _FLOAT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SamplingParamError(name, f"{name} must be a number")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise SamplingParamError(name, f"{name} must be finite")
+        return float(value)
+    if name in _BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise SamplingParamError(name, f"{name} must be a boolean")
+        return value
+    if name == "stop":
+        if isinstance(value, str):
+            return (value,)
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return tuple(value)
+        raise SamplingParamError(name, "stop must be a string or a list of strings")
+    if name == "stop_token_ids":
+        if isinstance(value, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value
+        ):
+            return tuple(value)
+        raise SamplingParamError(name, "stop_token_ids must be a list of integers")
+    raise SamplingParamError(name, f"unknown sampling parameter {name!r}")

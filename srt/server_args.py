@@ -1,0 +1,154 @@
+"""ServerArgs: the one frozen configuration of a server, and the argparse parser built from it.
+
+Defaults and help live on the fields. Values the HTTP process can settle without importing torch
+are resolved once by `resolve()`; device, dtype and attention backend are resolved by the model
+process (it owns the device) and reported back in its ready handshake.
+Environment variables are read here only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+_HEURISTICS = ("lpm", "dfs-weight", "fcfs", "random")
+
+
+def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = _f(
+        None, "Hugging Face model directory. Empty: serve the default SmolLM2-135M-Instruct."
+    )
+    tokenizer_path: str | None = _f(None, "Tokenizer directory (default: the model path).")
+    host: str = _f("127.0.0.1", "Address the HTTP server binds.")
+    port: int = _f(30000, "Port of the HTTP server.")
+    tp_size: int = _f(1, "Tensor-parallel ranks (one model process each).")
+    device: str = _f("auto", "Where the model runs; auto picks cuda when available.",
+                     ("auto", "cpu", "cuda"))
+    dtype: str = _f(
+        "auto",
+        "Weight and activation dtype. auto: the checkpoint's dtype on a GPU (float16 if it is "
+        "float32), float32 on the CPU.",
+        ("auto", "float32", "float16", "bfloat16"),
+    )
+    load_format: str = _f("auto", "auto/safetensors read the checkpoint; dummy uses random "
+                          "weights (benchmarks).", ("auto", "safetensors", "dummy"))
+    attention_backend: str = _f("auto", "Attention implementation; auto picks torch on the CPU.",
+                                ("auto", "torch"))
+    context_length: int | None = _f(None, "Context length (default: the model's).")
+    mem_fraction_static: float = _f(
+        0.88, "Fraction of device memory for weights plus KV pool (on the CPU: of free RAM).")
+    max_total_tokens: int | None = _f(None, "KV pool size in tokens (overrides the fraction).")
+    max_running_requests: int | None = _f(None, "Most requests running at once (rows of "
+                                          "req_to_token). Default: min(512, pool size).")
+    max_prefill_tokens: int = _f(8192, "Most new tokens in one fill batch (a single longer "
+                                 "prompt still runs alone).")
+    schedule_heuristic: str = _f("lpm", "Order of the waiting queue.", _HEURISTICS)
+    schedule_conservativeness: float = _f(
+        1.0, "Scales the share of running requests' remaining tokens reserved at admission; "
+        "larger admits fewer requests and retracts less.")
+    disable_radix_cache: bool = _f(False, "Turn off prefix matching (same code path).")
+    random_seed: int | None = _f(None, "Seed of the sampler (default: random).")
+    stream_interval: int = _f(1, "Tokens per streamed chunk.")
+    log_level: str = _f("info", "Logging level.", ("debug", "info", "warning", "error"))
+    log_stats_interval: float = _f(5.0, "Seconds between stats lines while busy.")
+
+    def resolve(self) -> "ServerArgs":
+        """Settle the values that need no device: seed, tokenizer path. Validate ranges."""
+        seed = self.random_seed if self.random_seed is not None else random.randrange(1 << 30)
+        args = dataclasses.replace(
+            self,
+            random_seed=seed,
+            tokenizer_path=self.tokenizer_path or self.model_path,
+        )
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError("--tp-size must be >= 1")
+        if self.tp_size != 1:
+            raise ValueError("--tp-size > 1 is not supported yet")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError("--mem-fraction-static must be in (0, 1)")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError("--max-total-tokens must be >= 16")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be >= 1")
+        if self.schedule_conservativeness <= 0:
+            raise ValueError("--schedule-conservativeness must be > 0")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=help_)
+                continue
+            typ = _scalar_type(f.type)
+            parser.add_argument(flag, type=typ, default=f.default, help=help_,
+                                choices=f.metadata.get("choices"))
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
+        parser = argparse.ArgumentParser(prog="python -m srt.server")
+        cls.add_cli_args(parser)
+        ns = parser.parse_args(argv)
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def _scalar_type(annotation: Any) -> type:
+    text = annotation if isinstance(annotation, str) else str(annotation)
+    for name, typ in (("int", int), ("float", float), ("str", str)):
+        if text.startswith(name):
+            return typ
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return args[0] if args else str
+
+
+@dataclass(frozen=True)
+class PortArgs:
+    """Addresses of the ring; ipc:// paths inside a private temporary directory."""
+
+    ipc_dir: str
+    tokenizer_to_router: str
+    router_to_model: tuple[str, ...]  # one per TP rank
+    model_to_router: str
+    router_to_detokenizer: str
+    detokenizer_to_tokenizer: str
+
+    @classmethod
+    def create(cls, tp_size: int) -> "PortArgs":
+        d = tempfile.mkdtemp(prefix="srt-ipc-")
+        os.chmod(d, 0o700)  # only this user may reach the sockets
+
+        def addr(name: str) -> str:
+            return f"ipc://{os.path.join(d, name)}"
+
+        return cls(
+            ipc_dir=d,
+            tokenizer_to_router=addr("tokenizer_to_router"),
+            router_to_model=tuple(addr(f"router_to_model_{r}") for r in range(tp_size)),
+            model_to_router=addr("model_to_router"),
+            router_to_detokenizer=addr("router_to_detokenizer"),
+            detokenizer_to_tokenizer=addr("detokenizer_to_tokenizer"),
+        )
+
+
+def cache_dir() -> str:
+    """Where srt keeps prepared models: $SRT_CACHE_DIR, else ~/.cache/srt."""
+    return os.environ.get("SRT_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "srt"
+    )
