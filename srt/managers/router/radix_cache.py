@@ -190,7 +190,7 @@ class RadixCache:
             parent=parent,
             last_access_time=child.last_access_time,
         )
-        prefix.lock_ref = 0
+        prefix.lock_ref = child.lock_ref
         child.key = child.key[n:]
         child.value = child.value[n:]
         child.parent = prefix
@@ -256,7 +256,7 @@ class RadixCache:
             del parent.children[node.key[0]]
             node.parent = None  # detached: a stale dec_lock_ref on it raises
             if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+                pass
         if freed:
             self.pool.free(torch.cat(freed))  # one batched call
         return num_freed

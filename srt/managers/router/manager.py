@@ -1,0 +1,63 @@
+"""The router process: batches what arrived from the HTTP process and drives every TP rank one round
+at a time, in lockstep. Rank 0's results go on to the detokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from multiprocessing.connection import Connection
+
+import zmq
+
+from srt.managers.comm import PullSocket, PushSocket
+from srt.managers.io_struct import AbortReq, StepInput, TokenizedGenerateReq
+from srt.server_args import PortArgs, ServerArgs
+from srt.utils import become_child_process, configure_logging
+
+logger = logging.getLogger(__name__)
+
+
+class RouterManager:
+    def __init__(self, args: ServerArgs, ports: PortArgs) -> None:
+        self.ctx = zmq.Context()
+        self.from_tokenizer = PullSocket(self.ctx, ports.tokenizer_to_router)
+        self.to_models = [PushSocket(self.ctx, a) for a in ports.router_to_model]
+        self.from_model = PullSocket(self.ctx, ports.model_to_router)
+        self.to_detokenizer = PushSocket(self.ctx, ports.router_to_detokenizer)
+
+    def loop(self) -> None:
+        has_work = False
+        while True:
+            # Idle: block until something arrives. Busy: take what is queued and step on.
+            msgs = [] if has_work else [self.from_tokenizer.recv()]
+            msgs += self.from_tokenizer.drain()
+            step = StepInput()
+            for m in msgs:
+                if isinstance(m, TokenizedGenerateReq):
+                    step.reqs.append(m)
+                elif isinstance(m, AbortReq):
+                    step.aborts.append(m)
+                else:
+                    step.controls.append(m)
+            for sock in self.to_models:
+                sock.send(step)
+            out = self.from_model.recv()
+            has_work = out.has_work
+            if out.token_out is not None:
+                self.to_detokenizer.send(out.token_out)
+            for c in out.controls:
+                self.to_detokenizer.send(c)
+
+
+def run_router_process(args: ServerArgs, ports: PortArgs, parent_pid: int,
+                       ready: Connection) -> None:
+    become_child_process(parent_pid)
+    configure_logging(args.log_level, "router")
+    try:
+        router = RouterManager(args, ports)
+    except Exception:
+        ready.send(("error", traceback.format_exc()))
+        raise SystemExit(1)
+    ready.send(("ready", {}))
+    router.loop()

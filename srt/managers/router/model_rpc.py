@@ -1,0 +1,517 @@
+"""The model process of one TP rank: scheduler state, radix cache, KV pools and model runner.
+
+The loop only orchestrates: each StepInput from the router adds requests and aborts, then one
+round runs either a fill batch (EXTEND/PREFILL) or a few DECODE steps. Rank 0 answers with a
+StepOutput; every rank sees the same inputs, so every rank makes the same decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from srt.layers.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.sampler import sample
+from srt.managers.io_struct import (
+    AbortReq,
+    BatchTokenIdOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    GetStatsReq,
+    StatsOut,
+    StepInput,
+    StepOutput,
+    TokenizedGenerateReq,
+    TokenOut,
+)
+from srt.managers.router.infer_batch import Req, build_sampling_info
+from srt.managers.router.model_runner import ModelRunner
+from srt.managers.router.radix_cache import RadixCache
+from srt.managers.router.scheduler import Admission, order_queue
+from srt.model_config import ModelConfig
+from srt.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Decode steps per round while nothing waits: amortizes the router round trip; a waiting request
+# is reconsidered after every step.
+DECODE_STEPS_PER_ROUND = 4
+# Retraction re-estimates the ratio as if every request still ran this many steps.
+RETRACT_LOOKAHEAD_STEPS = 20
+
+
+@dataclass
+class TokenRatio:
+    """Share of running requests' remaining max_new_tokens reserved at admission.
+
+    Starts high, decays every decode step towards its floor (requests usually stop early), and is
+    raised again when decoding runs out of slots.
+    """
+
+    value: float
+    floor: float
+    decay: float
+
+    @classmethod
+    def from_conservativeness(cls, c: float) -> "TokenRatio":
+        return cls(value=min(0.7 * c, 1.0), floor=min(0.1 * c, 1.0), decay=0.001)
+
+    def step(self) -> None:
+        self.value = max(self.floor, self.value - self.decay)
+
+
+class ModelRpcServer:
+    def __init__(self, args: ServerArgs, tp_rank: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.args = args
+        self.tp_rank = tp_rank
+        self.config = ModelConfig.load(args.model_path, args.context_length)
+        self.runner = ModelRunner(args, self.config, tp_rank)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+        self.pool = self.runner.token_to_kv_pool
+        self.req_pool = self.runner.req_to_token_pool
+        self.tree = RadixCache(self.pool, disable=args.disable_radix_cache)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.ratio = TokenRatio.from_conservativeness(args.schedule_conservativeness)
+        self.rng = random.Random(args.random_seed)
+        self.arrivals = 0
+        self.eos_ids = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(int(self.tokenizer.eos_token_id))
+        # statistics
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.generated_since_log = 0
+        self.last_log = time.monotonic()
+        self.retracted_total = 0
+
+    # ------------------------------------------------------------------ one round
+
+    def step(self, inp: StepInput) -> StepOutput:
+        outs: list[TokenOut] = []
+        for r in inp.reqs:
+            self._add_request(r)
+        for a in inp.aborts:
+            self._abort(a, outs)
+        controls = [self._control(c) for c in inp.controls]
+        batch = self._new_fill_batch()
+        if batch:
+            self._forward_fill(batch, outs)
+        elif self.running:
+            steps = 1 if self.waiting else DECODE_STEPS_PER_ROUND
+            for _ in range(steps):
+                if not self.running:
+                    break
+                self._forward_decode(outs)
+        self._maybe_log()
+        token_out = BatchTokenIdOut(outs) if outs else None
+        return StepOutput(token_out, controls, has_work=bool(self.running or self.waiting))
+
+    def _add_request(self, r: TokenizedGenerateReq) -> None:
+        params = SamplingParams(
+            **{
+                k: tuple(v) if isinstance(v, list) else v
+                for k, v in r.sampling_params.items()
+            }
+        )
+        self.arrivals += 1
+        self.waiting.append(
+            Req(r.rid, list(r.input_ids), params, r.stream, r.group, arrival=self.arrivals)
+        )
+
+    def _abort(self, a: AbortReq, outs: list[TokenOut]) -> None:
+        for i, req in enumerate(self.waiting):
+            if req.rid == a.rid:
+                self.waiting.pop(i)
+                req.finish_reason = {"type": "abort", "message": a.message}
+                outs.append(self._token_out(req))
+                return
+        for i, req in enumerate(self.running):
+            if req.rid == a.rid:
+                self.running.pop(i)
+                req.finish_reason = {"type": "abort", "message": a.message}
+                self._cache_finished(req)
+                outs.append(self._token_out(req))
+                return
+
+    def _control(self, c: Any) -> Any:
+        if isinstance(c, FlushCacheReq):
+            if self.running or self.waiting:
+                return FlushCacheOut(
+                    c.rid, False,
+                    f"cache not flushed: {len(self.running)} running and {len(self.waiting)} "
+                    "waiting requests",
+                )
+            self.tree.reset()
+            return FlushCacheOut(c.rid, True, "cache flushed")
+        if isinstance(c, GetStatsReq):
+            return StatsOut(c.rid, self.stats())
+        raise ValueError(f"unknown control message {type(c).__name__}")
+
+    def stats(self) -> dict[str, Any]:
+        info = self.runner.info()
+        return {
+            "max_total_num_tokens": info.max_total_num_tokens,
+            "available_kv_tokens": self.pool.available_size(),
+            "evictable_kv_tokens": self.tree.evictable_size(),
+            "locked_kv_tokens": self.tree.locked_size(),
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting),
+            "cache_hit_rate": self.cached_tokens_total / max(1, self.prompt_tokens_total),
+            "retracted_reqs": self.retracted_total,
+            "max_running_requests": info.max_running_requests,
+            "device": info.device,
+            "dtype": info.dtype,
+            "attention_backend": info.attention_backend,
+            "context_length": self.config.context_len,
+        }
+
+    # ------------------------------------------------------------------ fill
+
+    def _new_fill_batch(self) -> list[Req]:
+        if not self.waiting:
+            return []
+        for r in self.waiting:
+            # Keep at least one token to compute: its logits give the next token.
+            r.prefix_indices, r.last_node = self.tree.match_prefix(r.fill_ids[:-1])
+            r.extend_input_len = len(r.fill_ids) - len(r.prefix_indices)
+        queue = order_queue(self.waiting, self.args.schedule_heuristic, self.rng, self.tree.root)
+        adm = Admission.start(
+            free=self.pool.available_size(),
+            evictable=self.tree.evictable_size(),
+            running_remaining=[r.remaining_new_tokens for r in self.running],
+            new_token_ratio=self.ratio.value,
+            max_prefill_tokens=self.args.max_prefill_tokens,
+            free_rows=self.req_pool.available_size(),
+        )
+        batch: list[Req] = []
+        groups: set[str] = set()
+        for r in queue:
+            if r.group is not None and r.group in groups:
+                # A sibling sample is computing this prompt now: wait one round and reuse its KV.
+                continue
+            node = r.last_node
+            if not adm.try_admit(
+                r.extend_input_len,
+                r.remaining_new_tokens,
+                lock=lambda n=node: self.tree.inc_lock_ref(n),
+                unlock=lambda n=node: self.tree.dec_lock_ref(n),
+            ):
+                break
+            batch.append(r)
+            if r.group is not None:
+                groups.add(r.group)
+        if batch:
+            chosen = set(map(id, batch))
+            self.waiting = [r for r in self.waiting if id(r) not in chosen]
+        return batch
+
+    def _alloc_slots(self, n: int) -> torch.Tensor:
+        """n slots, evicting from the tree if needed. Callers have checked that n fits."""
+        free = self.pool.available_size()
+        if free < n:
+            self.tree.evict(n - free)
+        slots = self.pool.alloc(n)
+        if slots is None:
+            raise RuntimeError(
+                f"KV pool accounting broken: {n} slots needed, {self.pool.available_size()} free"
+            )
+        return slots
+
+    def _forward_fill(self, batch: list[Req], outs: list[TokenOut]) -> None:
+        ext_lens = [r.extend_input_len for r in batch]
+        slots = self._alloc_slots(sum(ext_lens))
+        table = self.req_pool.req_to_token
+        input_ids: list[int] = []
+        positions: list[int] = []
+        offset = 0
+        for r, ext in zip(batch, ext_lens):
+            row = self.req_pool.alloc()
+            if row is None:
+                raise RuntimeError("req_to_token rows exhausted despite admission")
+            r.req_pool_idx = row
+            pre = len(r.prefix_indices)
+            table[row, :pre] = r.prefix_indices.to(table.device, torch.int32)
+            table[row, pre : pre + ext] = slots[offset : offset + ext].to(table.device, torch.int32)
+            offset += ext
+            input_ids.extend(r.fill_ids[pre:])
+            positions.extend(range(pre, pre + ext))
+            if r.cached_tokens < 0:
+                r.cached_tokens = pre
+                self.prompt_tokens_total += len(r.origin_input_ids)
+                self.cached_tokens_total += pre
+        prefix_lens = [len(r.prefix_indices) for r in batch]
+        mode = ForwardMode.EXTEND if any(prefix_lens) else ForwardMode.PREFILL
+        next_ids = self._run(batch, mode, input_ids, positions, slots, prefix_lens, ext_lens)
+        for r, tok in zip(batch, next_ids):
+            if not self.tree.disable:
+                self._cache_filled(r)
+            if r.sampling_params.max_new_tokens == 0 and not r.output_ids:
+                r.finish_reason = {"type": "length", "length": 0}
+            else:
+                self._append_token(r, tok)
+        self._settle(batch, outs, newly_running=True)
+
+    # ------------------------------------------------------------------ decode
+
+    def _forward_decode(self, outs: list[TokenOut]) -> None:
+        self._ensure_decode_memory(outs)
+        batch = self.running
+        slots = self._alloc_slots(len(batch))
+        rows = torch.tensor([r.req_pool_idx for r in batch], dtype=torch.int64)
+        positions = [r.kv_len for r in batch]
+        table = self.req_pool.req_to_token
+        table[rows.to(table.device), torch.tensor(positions, device=table.device)] = slots.to(
+            table.device, torch.int32
+        )
+        input_ids = [r.output_ids[-1] for r in batch]
+        next_ids = self._run(
+            batch, ForwardMode.DECODE, input_ids, positions, slots, positions, [1] * len(batch)
+        )
+        for r, tok in zip(batch, next_ids):
+            self._append_token(r, tok)
+        self.ratio.step()
+        self._settle(batch, outs, newly_running=False)
+
+    def _ensure_decode_memory(self, outs: list[TokenOut]) -> None:
+        """Make room for one new token per running request: evict, then retract."""
+        need = len(self.running)
+        free = self.pool.available_size()
+        if free >= need:
+            return
+        self.tree.evict(need - free)
+        retracted: list[Req] = []
+        while self.pool.available_size() < len(self.running) and len(self.running) > 1:
+            # least progress first: fewest generated tokens, then the longest prompt
+            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+            self.running.remove(victim)
+            self._retract(victim)
+            retracted.append(victim)
+            self.tree.evict(len(self.running) - self.pool.available_size())
+        if self.pool.available_size() < len(self.running):
+            raise RuntimeError("a single request does not fit the KV pool (admission is broken)")
+        if retracted:
+            total_max = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
+            done = sum(len(r.output_ids) for r in self.running)
+            estimate = (done + RETRACT_LOOKAHEAD_STEPS * len(self.running)) / total_max
+            self.ratio.value = min(1.0, max(self.ratio.value, estimate))
+            self.retracted_total += len(retracted)
+            logger.warning(
+                "KV pool full: retracted %d request(s) to the waiting queue (%d running, "
+                "new_token_ratio now %.3f)", len(retracted), len(self.running), self.ratio.value,
+            )
+
+    def _retract(self, req: Req) -> None:
+        """Back to the waiting queue; its KV goes into the tree (evictable), its progress is kept."""
+        self._cache_finished(req)
+        req.retractions += 1
+        self.waiting.append(req)
+
+    # ------------------------------------------------------------------ shared helpers
+
+    def _run(self, batch: list[Req], mode: ForwardMode, input_ids: list[int],
+             positions: list[int], out_cache_loc: torch.Tensor, prefix_lens: list[int],
+             extend_lens: list[int]) -> list[int]:
+        dev = self.runner.device
+        if mode == ForwardMode.DECODE:
+            seq_lens = [p + 1 for p in positions]
+        else:
+            seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        fb = ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(batch),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            out_cache_loc=out_cache_loc.to(dev),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in batch], device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            seq_lens_cpu=seq_lens,
+            prefix_lens_cpu=prefix_lens,
+            extend_lens_cpu=extend_lens,
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.pool,
+            attn_backend=self.runner.attn_backend,
+        )
+        logits = self.runner.forward(fb)
+        info = build_sampling_info(
+            batch, logits.shape[-1], dev, [self._stop_ids(r) for r in batch]
+        )
+        ids = sample(logits, info, self.runner.sampler_generator)
+        return ids.tolist()  # the one device-to-host copy of the step
+
+    def _stop_ids(self, req: Req) -> set[int]:
+        ids = set(req.sampling_params.stop_token_ids)
+        if not req.sampling_params.ignore_eos:
+            ids |= self.eos_ids
+        return ids
+
+    def _append_token(self, req: Req, tok: int) -> None:
+        req.output_ids.append(tok)
+        self.generated_since_log += 1
+        p = req.sampling_params
+        if len(req.output_ids) >= p.min_new_tokens:
+            if tok in self._stop_ids(req):
+                req.finish_reason = {"type": "stop", "matched": tok}
+                return
+            matched = self._match_stop_string(req)
+            if matched is not None:
+                req.finish_reason = {"type": "stop", "matched": matched}
+                return
+        if len(req.output_ids) >= p.max_new_tokens:
+            req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+
+    def _match_stop_string(self, req: Req) -> str | None:
+        stops = req.sampling_params.stop
+        if not stops:
+            return None
+        # A character is at most 4 byte-level tokens: this tail always covers the longest stop.
+        tail_len = 4 * max(len(s) for s in stops) + 4
+        tail = self.tokenizer.decode(
+            req.output_ids[-tail_len:], skip_special_tokens=req.sampling_params.skip_special_tokens
+        )
+        for s in stops:
+            if s in tail:
+                return s
+        return None
+
+    def _settle(self, batch: list[Req], outs: list[TokenOut], newly_running: bool) -> None:
+        """Finish what finished, emit outputs, keep the rest running."""
+        keep: list[Req] = []
+        for r in batch:
+            if r.finished:
+                self._cache_finished(r)
+                outs.append(self._token_out(r))
+                continue
+            keep.append(r)
+            if r.stream and len(r.output_ids) - r.sent_len >= self.args.stream_interval:
+                outs.append(self._token_out(r))
+        if newly_running:
+            self.running.extend(keep)
+        else:
+            self.running = keep
+
+    def _token_out(self, r: Req) -> TokenOut:
+        new = r.output_ids[r.sent_len :]
+        r.sent_len = len(r.output_ids)
+        p = r.sampling_params
+        return TokenOut(
+            rid=r.rid,
+            new_ids=new,
+            prompt_tokens=len(r.origin_input_ids),
+            cached_tokens=max(0, r.cached_tokens),
+            completion_tokens=len(r.output_ids),
+            finish_reason=r.finish_reason,
+            skip_special_tokens=p.skip_special_tokens,
+            spaces_between_special_tokens=p.spaces_between_special_tokens,
+            stop=list(p.stop),
+            no_stop_trim=p.no_stop_trim,
+        )
+
+    # ------------------------------------------------------------------ radix cache hand-offs
+
+    def _cache_filled(self, req: Req) -> None:
+        """After an extend: give the request's KV to the tree and lock the new path, so that other
+        requests can share it while this one still runs."""
+        n = len(req.fill_ids)
+        row = self.req_pool.req_to_token[req.req_pool_idx]
+        slots = row[:n].to("cpu", torch.int64)
+        old = len(req.prefix_indices)
+        present = self.tree.insert(req.fill_ids, slots.clone())
+        if present > old:  # someone inserted the same tokens meanwhile: use theirs, free ours
+            self.pool.free(slots[old:present])
+        new_prefix, new_node = self.tree.match_prefix(req.fill_ids)
+        row[old : len(new_prefix)] = new_prefix[old:].to(row.device, torch.int32)
+        self.tree.inc_lock_ref(new_node)
+        self.tree.dec_lock_ref(req.last_node)
+        req.prefix_indices, req.last_node = new_prefix, new_node
+
+    def _cache_finished(self, req: Req) -> None:
+        """The request leaves the running set: its KV goes to the tree, its lock and row go back."""
+        if req.req_pool_idx is None:
+            return
+        # Every token has KV except the last sampled one (a prefill-only request has none).
+        n = req.kv_len if req.output_ids else len(req.origin_input_ids)
+        key = req.fill_ids[:n]
+        slots = self.req_pool.req_to_token[req.req_pool_idx, :n].to("cpu", torch.int64)
+        old = len(req.prefix_indices)
+        present = self.tree.insert(key, slots.clone())
+        if present > old:
+            self.pool.free(slots[old:present])
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+        req.last_node = None
+
+    # ------------------------------------------------------------------ logs
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if self.tp_rank != 0 or now - self.last_log < self.args.log_stats_interval:
+            return
+        if self.running or self.waiting or self.generated_since_log:
+            used = self.runner.max_total_num_tokens - self.pool.available_size()
+            logger.info(
+                "running=%d waiting=%d kv_used=%.1f%% (%d/%d tokens, %d evictable) "
+                "cache_hit_rate=%.1f%% gen_throughput=%.1f tok/s",
+                len(self.running), len(self.waiting),
+                100.0 * used / self.runner.max_total_num_tokens, used,
+                self.runner.max_total_num_tokens, self.tree.evictable_size(),
+                100.0 * self.cached_tokens_total / max(1, self.prompt_tokens_total),
+                self.generated_since_log / (now - self.last_log),
+            )
+        self.generated_since_log = 0
+        self.last_log = now
+
+
+def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, parent_pid: int,
+                      ready: Any) -> None:
+    """Entry of one TP rank's process: build everything, report ready (or the traceback), loop."""
+    import traceback
+
+    import zmq
+
+    from srt.layers import parallel_state
+    from srt.managers.comm import PullSocket, PushSocket
+    from srt.utils import become_child_process, configure_logging
+
+    become_child_process(parent_pid)
+    configure_logging(args.log_level, f"model tp{tp_rank}")
+    try:
+        parallel_state.init_tp_group(tp_rank, args.tp_size)
+        server = ModelRpcServer(args, tp_rank)
+        ctx = zmq.Context()
+        inbox = PullSocket(ctx, ports.router_to_model[tp_rank])
+        outbox = PushSocket(ctx, ports.model_to_router) if tp_rank == 0 else None
+    except Exception:
+        ready.send(("error", traceback.format_exc()))
+        raise SystemExit(1)
+    info = server.runner.info()
+    logger.info(
+        "model %s (%s) on %s, dtype %s, attention %s; weights %.2f GB; KV pool %d tokens "
+        "(%.2f GB); up to %d running requests; context length %d",
+        args.model_path, server.config.architecture, info.device, info.dtype,
+        info.attention_backend, info.weight_gb, info.max_total_num_tokens, info.kv_gb,
+        info.max_running_requests, server.config.context_len,
+    )
+    ready.send(("ready", {
+        "max_total_num_tokens": info.max_total_num_tokens,
+        "context_length": server.config.context_len,
+        "vocab_size": server.config.vocab_size,
+        "device": info.device,
+        "dtype": info.dtype,
+        "attention_backend": info.attention_backend,
+    }))
+    while True:
+        out = server.step(inbox.recv())
+        if outbox is not None:
+            outbox.send(out)

@@ -1,0 +1,65 @@
+"""Small process helpers shared by the launcher and the child processes."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+_PR_SET_PDEATHSIG = 1
+
+
+def configure_logging(level: str, process_name: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format=f"%(asctime)s [{process_name}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def become_child_process(parent_pid: int) -> None:
+    """Set up a child of the launcher: die with the parent, leave Ctrl-C to the parent.
+
+    Ctrl-C reaches the whole process group; the launcher alone handles it and stops the children
+    with SIGTERM. If the launcher is killed outright, the kernel (PR_SET_PDEATHSIG) and a watcher
+    thread end the child too, so no process is left behind.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
