@@ -188,7 +188,7 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(
-            ids, skip_special_tokens=True
+            ids, skip_special_tokens=self._skip_special_tokens, **self._decode_kwargs
         )
 
     def _decode_output(self) -> str:

@@ -220,7 +220,7 @@ class RadixCache:
         """
         path: list[TreeNode] = []
         while node is not self.root_node:
-            if node.lock_ref <= 0 or node.parent is None:
+            if node.parent is None:
                 raise RuntimeError(f"dec_lock_ref on unlocked or detached node {node!r}")
             path.append(node)
             node = node.parent
@@ -256,7 +256,7 @@ class RadixCache:
             del parent.children[node.key[0]]
             node.parent = None  # detached: a stale dec_lock_ref on it raises
             if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
-                pass
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         if freed:
             self.pool.free(torch.cat(freed))  # one batched call
         return num_freed

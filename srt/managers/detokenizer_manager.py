@@ -1,0 +1,80 @@
+"""The detokenizer process: token ids -> text, incrementally and UTF-8 safe, with stop strings
+trimmed; control results pass through. Imports only the tokenizer and the messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from multiprocessing.connection import Connection
+
+import zmq
+
+from srt.managers.comm import PullSocket, PushSocket
+from srt.managers.detokenize import IncrementalDetokenizer
+from srt.managers.io_struct import BatchStrOut, BatchTokenIdOut, StrOut, TokenOut
+from srt.server_args import PortArgs, ServerArgs
+from srt.utils import become_child_process, configure_logging
+
+logger = logging.getLogger(__name__)
+
+
+class DetokenizerManager:
+    def __init__(self, args: ServerArgs, ports: PortArgs) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+        self.ctx = zmq.Context()
+        self.inbox = PullSocket(self.ctx, ports.router_to_detokenizer)
+        self.outbox = PushSocket(self.ctx, ports.detokenizer_to_tokenizer)
+        self.states: dict[str, IncrementalDetokenizer] = {}
+
+    def handle(self, batch: BatchTokenIdOut) -> BatchStrOut:
+        return BatchStrOut([self._one(o) for o in batch.outs])
+
+    def _one(self, o: TokenOut) -> StrOut:
+        det = self.states.get(o.rid)
+        if det is None:
+            det = IncrementalDetokenizer(
+                self.tokenizer,
+                skip_special_tokens=o.skip_special_tokens,
+                stop_strings=tuple(o.stop),
+                no_stop_trim=o.no_stop_trim,
+                spaces_between_special_tokens=o.spaces_between_special_tokens,
+            )
+            self.states[o.rid] = det
+        text = det.add(o.new_ids)
+        if o.finish_reason is not None:
+            matched = o.finish_reason.get("matched")
+            text = det.finish(matched if isinstance(matched, str) else None)
+            del self.states[o.rid]
+        return StrOut(
+            rid=o.rid,
+            text=text,
+            new_ids=o.new_ids,
+            prompt_tokens=o.prompt_tokens,
+            cached_tokens=o.cached_tokens,
+            completion_tokens=o.completion_tokens,
+            finish_reason=o.finish_reason,
+        )
+
+    def loop(self) -> None:
+        while True:
+            msg = self.inbox.recv()
+            if isinstance(msg, BatchTokenIdOut):
+                self.outbox.send(self.handle(msg))
+            else:  # control results go back unchanged
+                self.outbox.send(msg)
+
+
+def run_detokenizer_process(args: ServerArgs, ports: PortArgs, parent_pid: int,
+                            ready: Connection) -> None:
+    become_child_process(parent_pid)
+    configure_logging(args.log_level, "detokenizer")
+    try:
+        manager = DetokenizerManager(args, ports)
+    except Exception:
+        ready.send(("error", traceback.format_exc()))
+        raise SystemExit(1)
+    ready.send(("ready", {}))
+    manager.loop()

@@ -1,0 +1,301 @@
+"""TokenizerManager: validation, tokenization and per-request state in the HTTP process.
+
+Nothing invalid crosses into the other processes: `parse_generate_request` turns a JSON body into
+validated single-sample requests or raises RequestError naming the field. Results come back from
+the detokenizer and are routed to each request's queue by rid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from srt.managers.comm import AsyncPullSocket, PushSocket
+from srt.managers.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    GetStatsReq,
+    StatsOut,
+    StrOut,
+    TokenizedGenerateReq,
+)
+from srt.sampling_params import SamplingParamError, SamplingParams
+from srt.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A client error: answered with HTTP 400 and {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, param: str | None, code: str = "invalid_value",
+                 status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the model process reported at start-up; requests are checked against it."""
+
+    context_length: int
+    vocab_size: int
+    max_total_num_tokens: int
+
+
+@dataclass
+class SingleRequest:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    index: int  # position in the answer list
+    group: str | None
+
+
+@dataclass
+class ParsedRequest:
+    reqs: list[SingleRequest]
+    stream: bool
+    is_batch: bool  # answer with a list
+
+
+@dataclass
+class ReqState:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, ports: PortArgs, limits: ModelLimits) -> None:
+        from transformers import AutoTokenizer
+
+        self.args = args
+        self.limits = limits
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+        self.ctx = zmq.asyncio.Context()
+        self.sync_ctx = zmq.Context()
+        self.to_router = PushSocket(self.sync_ctx, ports.tokenizer_to_router)
+        self.ports = ports
+        self.inbox: AsyncPullSocket | None = None
+        self.states: dict[str, ReqState] = {}
+        self.control_waiters: dict[str, asyncio.Future] = {}
+        self._loop_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ results
+
+    def start(self) -> None:
+        """Start the result loop on the running event loop (called at app start-up)."""
+        if self._loop_task is None:
+            self.inbox = AsyncPullSocket(self.ctx, self.ports.detokenizer_to_tokenizer)
+            self._loop_task = asyncio.get_running_loop().create_task(self._result_loop())
+
+    async def _result_loop(self) -> None:
+        assert self.inbox is not None
+        while True:
+            msg = await self.inbox.recv()
+            if isinstance(msg, BatchStrOut):
+                for out in msg.outs:
+                    state = self.states.get(out.rid)
+                    if state is not None:  # None: the client left and the request was aborted
+                        state.queue.put_nowait(out)
+            elif isinstance(msg, (FlushCacheOut, StatsOut)):
+                fut = self.control_waiters.pop(msg.rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            else:
+                logger.error("unexpected message from the detokenizer: %s", type(msg).__name__)
+
+    async def control(self, kind: type, timeout: float = 60.0) -> Any:
+        rid = uuid.uuid4().hex
+        fut = asyncio.get_running_loop().create_future()
+        self.control_waiters[rid] = fut
+        self.to_router.send(kind(rid))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.control_waiters.pop(rid, None)
+
+    async def get_stats(self) -> dict[str, Any]:
+        out: StatsOut = await self.control(GetStatsReq)
+        return out.stats
+
+    async def flush_cache(self) -> FlushCacheOut:
+        return await self.control(FlushCacheReq)
+
+    # ------------------------------------------------------------------ requests
+
+    def parse_generate_request(self, body: Any) -> ParsedRequest:
+        """Validate a /generate body. Raises RequestError naming the offending field."""
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object", None, "invalid_type")
+        known = {"text", "input_ids", "sampling_params", "stream", "rid"}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise RequestError(f"unknown field {unknown[0]!r}", unknown[0], "unknown_field")
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise RequestError("give exactly one of text and input_ids", "text")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError("stream must be a boolean", "stream", "invalid_type")
+        if text is not None:
+            prompts, is_batch = self._parse_text(text)
+            prompt_ids = [self._encode(t) for t in prompts]
+        else:
+            prompt_ids, is_batch = self._parse_ids(input_ids)
+        params = self._parse_params(body.get("sampling_params"), len(prompt_ids))
+        rids = self._parse_rids(body.get("rid"), len(prompt_ids))
+        reqs: list[SingleRequest] = []
+        for i, (ids, p, rid) in enumerate(zip(prompt_ids, params, rids)):
+            self._check_lengths(ids, p)
+            if p.n == 1:
+                reqs.append(SingleRequest(rid, ids, p, len(reqs), None))
+            else:
+                for k in range(p.n):
+                    reqs.append(SingleRequest(f"{rid}-{k}", ids, p, len(reqs), rid))
+        for r in reqs:
+            if r.rid in self.states:
+                raise RequestError(f"rid {r.rid!r} is already in use", "rid", "duplicate_rid")
+        is_batch = is_batch or any(p.n > 1 for p in params)
+        return ParsedRequest(reqs, stream, is_batch)
+
+    def _parse_text(self, text: Any) -> tuple[list[str], bool]:
+        if isinstance(text, str):
+            prompts, is_batch = [text], False
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            prompts, is_batch = text, True
+        else:
+            raise RequestError("text must be a string or a non-empty list of strings", "text",
+                               "invalid_type")
+        if any(t == "" for t in prompts):
+            raise RequestError("text must not be empty", "text")
+        return prompts, is_batch
+
+    def _encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise RequestError("text encodes to no tokens", "text")
+        return ids
+
+    def _parse_ids(self, input_ids: Any) -> tuple[list[list[int]], bool]:
+        def is_ids(x: Any) -> bool:
+            return isinstance(x, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in x
+            )
+
+        if is_ids(input_ids):
+            batch, is_batch = [input_ids], False
+        elif isinstance(input_ids, list) and input_ids and all(is_ids(x) for x in input_ids):
+            batch, is_batch = input_ids, True
+        else:
+            raise RequestError("input_ids must be a list of integers or a list of such lists",
+                               "input_ids", "invalid_type")
+        vocab = self.limits.vocab_size
+        for ids in batch:
+            if not ids:
+                raise RequestError("input_ids must not be empty", "input_ids")
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(
+                    f"token id {bad} is outside the vocabulary [0, {vocab})", "input_ids"
+                )
+        return batch, is_batch
+
+    def _parse_params(self, raw: Any, n_prompts: int) -> list[SamplingParams]:
+        try:
+            if isinstance(raw, list):
+                if len(raw) != n_prompts:
+                    raise RequestError(
+                        f"sampling_params has {len(raw)} entries for {n_prompts} prompts",
+                        "sampling_params",
+                    )
+                return [SamplingParams.from_dict(p) for p in raw]
+            p = SamplingParams.from_dict(raw)
+        except SamplingParamError as e:
+            raise RequestError(str(e), e.param) from None
+        return [p] * n_prompts
+
+    def _parse_rids(self, raw: Any, n: int) -> list[str]:
+        if raw is None:
+            return [uuid.uuid4().hex for _ in range(n)]
+        if n == 1 and isinstance(raw, str) and raw:
+            return [raw]
+        if (isinstance(raw, list) and len(raw) == n
+                and all(isinstance(r, str) and r for r in raw) and len(set(raw)) == n):
+            return list(raw)
+        raise RequestError("rid must be a non-empty string, or a list of distinct strings with "
+                           "one per prompt", "rid", "invalid_type")
+
+    def _check_lengths(self, ids: list[int], p: SamplingParams) -> None:
+        need = len(ids) + p.max_new_tokens
+        if need > self.limits.context_length:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens and max_new_tokens is {p.max_new_tokens}: "
+                f"{need} exceeds the context length {self.limits.context_length}",
+                "max_new_tokens", "context_length_exceeded",
+            )
+        if need > self.limits.max_total_num_tokens:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens and max_new_tokens is {p.max_new_tokens}: "
+                f"{need} exceeds the KV cache capacity ({self.limits.max_total_num_tokens} tokens)",
+                "max_new_tokens", "kv_capacity_exceeded",
+            )
+
+    def submit(self, parsed: ParsedRequest) -> None:
+        """Register every sample's state, then send them to the router."""
+        for r in parsed.reqs:
+            self.states[r.rid] = ReqState()
+        for r in parsed.reqs:
+            self.to_router.send(TokenizedGenerateReq(
+                rid=r.rid,
+                input_ids=r.input_ids,
+                sampling_params=r.params.to_dict(),
+                stream=parsed.stream,
+                group=r.group,
+            ))
+
+    def abort(self, rid: str, message: str = "aborted: the client disconnected") -> None:
+        """Forget a request here and stop it in the model process."""
+        state = self.states.pop(rid, None)
+        if state is not None and not state.finished:
+            self.to_router.send(AbortReq(rid, message))
+
+    async def stream_results(self, rid: str) -> AsyncIterator[dict[str, Any]]:
+        """Cumulative results of one sample, one per StrOut, until it finishes."""
+        state = self.states[rid]
+        try:
+            while True:
+                out: StrOut = await state.queue.get()
+                state.output_ids.extend(out.new_ids)
+                state.finished = out.finish_reason is not None
+                yield self.result_dict(rid, out, state)
+                if state.finished:
+                    return
+        finally:
+            # Finished, or the consumer went away (client disconnect): never leave state behind.
+            self.abort(rid)
+
+    @staticmethod
+    def result_dict(rid: str, out: StrOut, state: ReqState) -> dict[str, Any]:
+        return {
+            "text": out.text,
+            "output_ids": list(state.output_ids),
+            "meta_info": {
+                "id": rid,
+                "prompt_tokens": out.prompt_tokens,
+                "completion_tokens": out.completion_tokens,
+                "cached_tokens": out.cached_tokens,
+                "finish_reason": out.finish_reason,
+            },
+        }
