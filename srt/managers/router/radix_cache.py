@@ -220,7 +220,7 @@ class RadixCache:
         """
         path: list[TreeNode] = []
         while node is not self.root_node:
-            if node.parent is None:
+            if node.lock_ref <= 0 or node.parent is None:
                 raise RuntimeError(f"dec_lock_ref on unlocked or detached node {node!r}")
             path.append(node)
             node = node.parent
