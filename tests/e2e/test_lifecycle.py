@@ -1,0 +1,102 @@
+"""Process life cycle: a dead child takes the server down loudly and completely; SIGTERM stops
+everything cleanly; a start-up failure names the process and exits non-zero."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.conftest import BASE_ARGS, REPO, ServerProcess
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    parent = psutil.Process(pid)
+    return [parent, *parent.children(recursive=True)]
+
+
+def _find_child(procs: list[psutil.Process], needle: str) -> psutil.Process:
+    for p in procs:
+        try:
+            if needle in " ".join(p.cmdline()):
+                return p
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no process matching {needle!r}")
+
+
+def _all_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return alive
+
+
+@pytest.fixture
+def small_server(smollm2_dir: str) -> Any:
+    srv = ServerProcess([*BASE_ARGS, "--max-total-tokens", "2048"]).start()
+    yield srv
+    srv.stop()
+
+
+def _children_by_pid(srv: ServerProcess) -> list[psutil.Process]:
+    procs = _tree(srv.proc.pid)
+    # spawn children: 3 of them for tp 1 (+ the multiprocessing resource tracker)
+    assert len(procs) >= 4, procs
+    return procs
+
+
+def test_killing_model_process_brings_server_down(small_server: ServerProcess) -> None:
+    srv = small_server
+    procs = _children_by_pid(srv)
+    # The model process is the child that loaded torch: the one with the largest memory.
+    children = [p for p in procs[1:] if "resource_tracker" not in " ".join(p.cmdline())]
+    model = max(children, key=lambda p: p.memory_info().rss)
+    start = time.monotonic()
+    model.send_signal(signal.SIGKILL)
+    code = srv.proc.wait(30)
+    elapsed = time.monotonic() - start
+    assert code != 0
+    assert elapsed < 30
+    assert _all_gone(procs, timeout=10) == []
+    log = srv.log()
+    assert "model process (TP rank 0) died" in log and "SIGKILL" in log
+
+
+def test_sigterm_stops_everything(small_server: ServerProcess) -> None:
+    srv = small_server
+    procs = _children_by_pid(srv)
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(30) == 0
+    assert _all_gone(procs, timeout=10) == []
+
+
+def test_sigint_stops_everything(small_server: ServerProcess) -> None:
+    srv = small_server
+    procs = _children_by_pid(srv)
+    # Ctrl-C in a terminal reaches the whole process group.
+    os.killpg(srv.proc.pid, signal.SIGINT)
+    assert srv.proc.wait(30) == 0
+    assert _all_gone(procs, timeout=10) == []
+
+
+def test_startup_failure_is_reported(tmp_path: Any) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModelForCausalLM"], '
+                                          '"model_type": "llama", "hidden_size": 8, '
+                                          '"num_attention_heads": 1, "num_hidden_layers": 1, '
+                                          '"vocab_size": 8}')
+    from srt.default_model import default_model_dir
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "srt.server", "--model-path", str(tmp_path), "--tokenizer-path",
+         default_model_dir(), "--port", "0", *BASE_ARGS],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
+    assert proc.returncode != 0
+    assert "model process (TP rank 0) failed to start" in proc.stderr
+    assert "NoSuchModelForCausalLM" in proc.stderr and "LlamaForCausalLM" in proc.stderr
