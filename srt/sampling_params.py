@@ -131,6 +131,9 @@ def _coerce(name: str, value: Any) -> Any:
     if name in _INT_FIELDS or name == "seed":
         if isinstance(value, bool) or not isinstance(value, int):
             raise SamplingParamError(name, f"{name} must be an integer")
+        lo, hi = (-(2**63), 2**63 - 1) if name == "seed" else (-(2**31), 2**31 - 1)
+        if not lo <= value <= hi:
+            raise SamplingParamError(name, f"{name} must be in [{lo}, {hi}]")
         return value
     if name in _FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -150,8 +153,10 @@ def _coerce(name: str, value: Any) -> Any:
         raise SamplingParamError(name, "stop must be a string or a list of strings")
     if name == "stop_token_ids":
         if isinstance(value, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in value
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value
         ):
             return tuple(value)
-        raise SamplingParamError(name, "stop_token_ids must be a list of integers")
+        raise SamplingParamError(
+            name, "stop_token_ids must be a list of integers in [0, 2**31)"
+        )
     raise SamplingParamError(name, f"unknown sampling parameter {name!r}")

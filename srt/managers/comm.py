@@ -28,6 +28,11 @@ class PushSocket:
     def send(self, msg: Any) -> None:
         self._sock.send(io_struct.encode(msg), copy=False)
 
+    def send_all(self, msgs: list[Any]) -> None:
+        """Encode every message first, so that either all are sent or none is."""
+        for data in [io_struct.encode(m) for m in msgs]:
+            self._sock.send(data, copy=False)
+
     def close(self) -> None:
         self._sock.close()
 

@@ -159,7 +159,7 @@ class BatchStrOut:
 
 
 def _default(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and type(obj).__name__ in _REGISTRY:
+    if dataclasses.is_dataclass(obj) and _REGISTRY.get(type(obj).__name__) is type(obj):
         d = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
         d["__t__"] = type(obj).__name__
         return d

@@ -254,16 +254,20 @@ class TokenizerManager:
 
     def submit(self, parsed: ParsedRequest) -> None:
         """Register every sample's state, then send them to the router."""
-        for r in parsed.reqs:
-            self.states[r.rid] = ReqState()
-        for r in parsed.reqs:
-            self.to_router.send(TokenizedGenerateReq(
+        msgs = [
+            TokenizedGenerateReq(
                 rid=r.rid,
                 input_ids=r.input_ids,
                 sampling_params=r.params.to_dict(),
                 stream=parsed.stream,
                 group=r.group,
-            ))
+            )
+            for r in parsed.reqs
+        ]
+        self.to_router.send_all(msgs)
+        # No await in between: results cannot arrive before the states exist.
+        for r in parsed.reqs:
+            self.states[r.rid] = ReqState()
 
     def abort(self, rid: str, message: str = "aborted: the client disconnected") -> None:
         """Forget a request here and stop it in the model process."""

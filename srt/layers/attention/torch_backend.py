@@ -28,6 +28,9 @@ class TorchAttnBackend(AttentionBackend):
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].long()
         cols = torch.arange(max_len, device=rows.device)
         valid = cols.unsqueeze(0) < fb.seq_lens.unsqueeze(1)
+        # Padded columns read the request's first slot (always written) rather than whatever a
+        # stale entry points at: masked scores get zero weight, but 0 * NaN would still be NaN.
+        rows = torch.where(valid, rows, rows[:, :1])
         fb.attn_metadata = (rows, valid)
 
     def forward_extend(
