@@ -17,6 +17,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -286,6 +287,11 @@ def launch_server(args: ServerArgs) -> int:
     import uvicorn
 
     logger.info("ready: serving on http://%s:%d", args.host, args.port)
+    # uvicorn handles SIGINT/SIGTERM itself, then re-raises the signal into the handlers it found:
+    # make those record the stop instead of killing us before the children are stopped.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: logger.info(
+            "received %s, stopping", signal.Signals(signum).name))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                     timeout_graceful_shutdown=3)

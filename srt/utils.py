@@ -10,6 +10,10 @@ import socket
 import sys
 import threading
 import time
+import traceback
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -63,3 +67,19 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def start_child(parent_pid: int, ready: Any, log_level: str, name: str,
+                build: Callable[[], T], info: Callable[[T], dict[str, Any]] = lambda _: {}) -> T:
+    """The ready handshake of a child process: set it up, build its main object, then report
+    ("ready", info(obj)) on the pipe, or ("error", traceback) and exit 1 if building failed."""
+    become_child_process(parent_pid)
+    configure_logging(log_level, name)
+    try:
+        obj = build()
+        payload = info(obj)
+    except Exception:
+        ready.send(("error", traceback.format_exc()))
+        raise SystemExit(1)
+    ready.send(("ready", payload))
+    return obj

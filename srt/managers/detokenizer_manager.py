@@ -5,7 +5,6 @@ trimmed; control results pass through. Imports only the tokenizer and the messag
 from __future__ import annotations
 
 import logging
-import traceback
 from multiprocessing.connection import Connection
 
 import zmq
@@ -14,7 +13,7 @@ from srt.managers.comm import PullSocket, PushSocket
 from srt.managers.detokenize import IncrementalDetokenizer
 from srt.managers.io_struct import BatchStrOut, BatchTokenIdOut, StrOut, TokenOut
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import become_child_process, configure_logging
+from srt.utils import start_child
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +68,5 @@ class DetokenizerManager:
 
 def run_detokenizer_process(args: ServerArgs, ports: PortArgs, parent_pid: int,
                             ready: Connection) -> None:
-    become_child_process(parent_pid)
-    configure_logging(args.log_level, "detokenizer")
-    try:
-        manager = DetokenizerManager(args, ports)
-    except Exception:
-        ready.send(("error", traceback.format_exc()))
-        raise SystemExit(1)
-    ready.send(("ready", {}))
-    manager.loop()
+    start_child(parent_pid, ready, args.log_level, "detokenizer",
+                lambda: DetokenizerManager(args, ports)).loop()

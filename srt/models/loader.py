@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import threading
 from typing import Iterator
 
 import torch
@@ -18,6 +19,9 @@ def iterate_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
     from tqdm import tqdm
 
+    # A thread lock, not tqdm's default multiprocessing one: that is a named semaphore which
+    # outlives a process stopped by a signal and makes the resource tracker complain.
+    tqdm.set_lock(threading.RLock())
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")

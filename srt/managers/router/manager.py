@@ -5,7 +5,6 @@ at a time, in lockstep. Rank 0's results go on to the detokenizer.
 from __future__ import annotations
 
 import logging
-import traceback
 from multiprocessing.connection import Connection
 
 import zmq
@@ -13,7 +12,7 @@ import zmq
 from srt.managers.comm import PullSocket, PushSocket
 from srt.managers.io_struct import AbortReq, StepInput, TokenizedGenerateReq
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import become_child_process, configure_logging
+from srt.utils import start_child
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +51,5 @@ class RouterManager:
 
 def run_router_process(args: ServerArgs, ports: PortArgs, parent_pid: int,
                        ready: Connection) -> None:
-    become_child_process(parent_pid)
-    configure_logging(args.log_level, "router")
-    try:
-        router = RouterManager(args, ports)
-    except Exception:
-        ready.send(("error", traceback.format_exc()))
-        raise SystemExit(1)
-    ready.send(("ready", {}))
-    router.loop()
+    start_child(parent_pid, ready, args.log_level, "router",
+                lambda: RouterManager(args, ports)).loop()

@@ -476,41 +476,43 @@ class ModelRpcServer:
 def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, parent_pid: int,
                       ready: Any) -> None:
     """Entry of one TP rank's process: build everything, report ready (or the traceback), loop."""
-    import traceback
-
     import zmq
 
     from srt.layers import parallel_state
     from srt.managers.comm import PullSocket, PushSocket
-    from srt.utils import become_child_process, configure_logging
+    from srt.utils import start_child
 
-    become_child_process(parent_pid)
-    configure_logging(args.log_level, f"model tp{tp_rank}")
-    try:
+    sockets: list[Any] = []
+
+    def build() -> ModelRpcServer:
         parallel_state.init_tp_group(tp_rank, args.tp_size)
         server = ModelRpcServer(args, tp_rank)
         ctx = zmq.Context()
-        inbox = PullSocket(ctx, ports.router_to_model[tp_rank])
-        outbox = PushSocket(ctx, ports.model_to_router) if tp_rank == 0 else None
-    except Exception:
-        ready.send(("error", traceback.format_exc()))
-        raise SystemExit(1)
-    info = server.runner.info()
-    logger.info(
-        "model %s (%s) on %s, dtype %s, attention %s; weights %.2f GB; KV pool %d tokens "
-        "(%.2f GB); up to %d running requests; context length %d",
-        args.model_path, server.config.architecture, info.device, info.dtype,
-        info.attention_backend, info.weight_gb, info.max_total_num_tokens, info.kv_gb,
-        info.max_running_requests, server.config.context_len,
-    )
-    ready.send(("ready", {
-        "max_total_num_tokens": info.max_total_num_tokens,
-        "context_length": server.config.context_len,
-        "vocab_size": server.config.vocab_size,
-        "device": info.device,
-        "dtype": info.dtype,
-        "attention_backend": info.attention_backend,
-    }))
+        sockets.append(PullSocket(ctx, ports.router_to_model[tp_rank]))
+        sockets.append(PushSocket(ctx, ports.model_to_router) if tp_rank == 0 else None)
+        return server
+
+    def ready_info(server: ModelRpcServer) -> dict[str, Any]:
+        info = server.runner.info()
+        logger.info(
+            "model %s (%s) on %s, dtype %s, attention %s; weights %.2f GB; KV pool %d tokens "
+            "(%.2f GB); up to %d running requests; context length %d",
+            args.model_path, server.config.architecture, info.device, info.dtype,
+            info.attention_backend, info.weight_gb, info.max_total_num_tokens, info.kv_gb,
+            info.max_running_requests, server.config.context_len,
+        )
+        return {
+            "max_total_num_tokens": info.max_total_num_tokens,
+            "context_length": server.config.context_len,
+            "vocab_size": server.config.vocab_size,
+            "device": info.device,
+            "dtype": info.dtype,
+            "attention_backend": info.attention_backend,
+        }
+
+    server = start_child(parent_pid, ready, args.log_level, f"model tp{tp_rank}", build,
+                         ready_info)
+    inbox, outbox = sockets
     while True:
         out = server.step(inbox.recv())
         if outbox is not None:
