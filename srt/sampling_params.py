@@ -146,10 +146,11 @@ def _coerce(name: str, value: Any) -> Any:
             raise SamplingParamError(name, f"{name} must be a boolean")
         return value
     if name == "stop":
-        if isinstance(value, str):
-            return (value,)
-        if isinstance(value, list) and all(isinstance(s, str) for s in value):
-            return tuple(value)
+        stops = [value] if isinstance(value, str) else value
+        if isinstance(stops, list) and all(isinstance(s, str) for s in stops):
+            if not all(is_valid_utf8(s) for s in stops):
+                raise SamplingParamError(name, "stop strings must be valid Unicode text")
+            return tuple(stops)
         raise SamplingParamError(name, "stop must be a string or a list of strings")
     if name == "stop_token_ids":
         if isinstance(value, list) and all(
@@ -160,3 +161,12 @@ def _coerce(name: str, value: Any) -> Any:
             name, "stop_token_ids must be a list of integers in [0, 2**31)"
         )
     raise SamplingParamError(name, f"unknown sampling parameter {name!r}")
+
+
+def is_valid_utf8(text: str) -> bool:
+    """False for strings that cannot be encoded as UTF-8 (JSON allows lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

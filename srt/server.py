@@ -148,7 +148,7 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
         raw = await request.body()
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError too
             raise RequestError(f"malformed JSON body: {e}", None, "invalid_json") from None
 
     @app.get("/health")

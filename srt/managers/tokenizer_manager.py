@@ -27,7 +27,7 @@ from srt.managers.io_struct import (
     StrOut,
     TokenizedGenerateReq,
 )
-from srt.sampling_params import SamplingParamError, SamplingParams
+from srt.sampling_params import SamplingParamError, SamplingParams, is_valid_utf8
 from srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -180,6 +180,8 @@ class TokenizerManager:
                                "invalid_type")
         if any(t == "" for t in prompts):
             raise RequestError("text must not be empty", "text")
+        if not all(is_valid_utf8(t) for t in prompts):
+            raise RequestError("text must be valid Unicode (no lone surrogates)", "text")
         return prompts, is_batch
 
     def _encode(self, text: str) -> list[int]:
@@ -229,10 +231,12 @@ class TokenizerManager:
     def _parse_rids(self, raw: Any, n: int) -> list[str]:
         if raw is None:
             return [uuid.uuid4().hex for _ in range(n)]
-        if n == 1 and isinstance(raw, str) and raw:
+        def ok(r: Any) -> bool:
+            return isinstance(r, str) and r != "" and is_valid_utf8(r)
+
+        if n == 1 and ok(raw):
             return [raw]
-        if (isinstance(raw, list) and len(raw) == n
-                and all(isinstance(r, str) and r for r in raw) and len(set(raw)) == n):
+        if isinstance(raw, list) and len(raw) == n and all(map(ok, raw)) and len(set(raw)) == n:
             return list(raw)
         raise RequestError("rid must be a non-empty string, or a list of distinct strings with "
                            "one per prompt", "rid", "invalid_type")
