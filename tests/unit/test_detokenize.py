@@ -6,7 +6,6 @@ run on the real SmolLM2 tokenizer when it is available.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -65,14 +64,8 @@ def tiny_tokenizer():
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    # TODO(rewire): use the shared `smollm2_tokenizer` fixture from tests/conftest.py.
-    path = os.environ.get("SRT_TEST_TOKENIZER_DIR", "/tmp/conv/out")
-    if not os.path.isdir(path):
-        pytest.skip(f"SmolLM2 tokenizer not found at {path}")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ never changes the pools' bookkeeping and never touches the radix tree.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 # name -> "module:Class"; heavy dependencies are imported only when the backend is chosen.
 _BACKENDS: dict[str, str] = {
     "torch": "srt.layers.attention.torch_backend:TorchAttnBackend",
+    "triton": "srt.layers.attention.triton_backend:TritonAttnBackend",
+    "flashinfer": "srt.layers.attention.flashinfer_backend:FlashInferAttnBackend",
 }
 
 
@@ -45,14 +48,33 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
 def resolve_backend_name(name: str, device_type: str) -> str:
-    """`auto` -> the best backend for the device (torch on the CPU)."""
+    """`auto` -> flashinfer on a GPU when installed, else triton; torch on the CPU.
+
+    An explicit choice that cannot work here is a clear error at start-up. triton on the CPU runs
+    in Triton's interpreter (correct but slow: for tests).
+    """
     if name == "auto":
-        return "torch"
+        if device_type != "cuda":
+            return "torch"
+        if _importable("flashinfer"):
+            return "flashinfer"
+        return "triton" if _importable("triton") else "torch"
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; available: {', '.join(available_backends())}"
         )
+    if name == "flashinfer":
+        if device_type != "cuda":
+            raise ValueError("--attention-backend flashinfer needs a CUDA GPU")
+        if not _importable("flashinfer"):
+            raise ValueError("--attention-backend flashinfer needs flashinfer-python installed")
+    if name == "triton" and not _importable("triton"):
+        raise ValueError("--attention-backend triton needs triton installed")
     return name
 
 

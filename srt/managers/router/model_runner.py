@@ -15,6 +15,7 @@ import torch
 
 from srt.layers.attention import create_attention_backend, resolve_backend_name
 from srt.layers.forward_batch import ForwardBatch, forward_context
+from srt.layers.radix_attention import RadixAttention
 from srt.memory_pool import ReqToTokenPool, TokenToKVPool
 from srt.model_config import ModelConfig
 from srt.models.loader import init_dummy_weights, iterate_safetensors
@@ -86,12 +87,30 @@ class ModelRunner:
             self.device,
         )
         self.backend_name = resolve_backend_name(args.attention_backend, self.device.type)
+        if self.backend_name == "triton" and self.device.type == "cpu":
+            # Must be set before the kernels are defined; Triton has no CPU code generator.
+            os.environ["TRITON_INTERPRET"] = "1"
+            logger.warning("triton attention on the CPU runs in Triton's interpreter (slow)")
         self.attn_backend = create_attention_backend(self.backend_name, runner=self)
         self.sampler_generator = torch.Generator(device=self.device)
         self.sampler_generator.manual_seed(args.random_seed or 0)
 
+    def _attention_layers(self) -> list[RadixAttention]:
+        return [m for m in self.model.modules() if isinstance(m, RadixAttention)]
+
     def model_kv_heads(self) -> int:
-        return self.model.model.layers[0].self_attn.num_kv_heads
+        """KV heads held by this rank."""
+        return self._attention_layers()[0].num_kv_heads
+
+    def num_heads_per_rank(self) -> int:
+        return self._attention_layers()[0].num_heads
+
+    def attn_scaling(self) -> float:
+        """The softmax scale, the same for every layer (backends plan once per step)."""
+        scales = {layer.scaling for layer in self._attention_layers()}
+        if len(scales) != 1:
+            raise ValueError(f"attention layers disagree on the softmax scale: {scales}")
+        return scales.pop()
 
     def info(self) -> RunnerInfo:
         return RunnerInfo(

@@ -1,0 +1,165 @@
+"""Attention kernels over the page-size-1 KV pool: time per call and achieved bandwidth.
+
+    python benchmarks/bench_attention.py [--out results.json] [--backends torch,triton,flashinfer]
+
+GPU only. 32 query heads, 8 KV heads, head dim 128, bf16, slots shuffled across the pool. Decode at
+batch 1/8/64/256 x context 512/2048/8192; extend with prefix 0/1024/4096 and 512 new tokens.
+Time: median of CUDA-event timings after warm-up. Bandwidth counts each K/V byte read once plus q
+and o, and is compared with a device-to-device copy measured in the same run. Prints a table and
+writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+
+from srt.layers.attention import create_attention_backend
+from srt.layers.forward_batch import ForwardBatch, ForwardMode, forward_context
+from srt.layers.radix_attention import RadixAttention
+from srt.memory_pool import ReqToTokenPool, TokenToKVPool
+
+H, HKV, D = 32, 8, 128
+DTYPE = torch.bfloat16
+DEV = torch.device("cuda")
+
+
+def cuda_time_ms(fn: Callable[[], Any], warmup: int = 5, iters: int = 20) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.float16, device=DEV).normal_()
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / (ms / 1e3)
+
+
+def make_runner(max_reqs: int) -> Any:
+    return SimpleNamespace(
+        device=DEV, dtype=DTYPE, config=SimpleNamespace(head_dim=D, num_heads=H),
+        max_running_requests=max_reqs, num_heads_per_rank=lambda: H,
+        model_kv_heads=lambda: HKV, attn_scaling=lambda: D**-0.5,
+    )
+
+
+class Case:
+    """One batch laid out in a pool with shuffled slots; this step's tokens at the end of each."""
+
+    def __init__(self, mode: ForwardMode, bs: int, prefix: int, new: int, seed: int = 0) -> None:
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.mode, self.bs = mode, bs
+        seq = prefix + new
+        size = bs * seq
+        self.req_pool = ReqToTokenPool(bs, seq + 1, DEV)
+        self.kv_pool = TokenToKVPool(size, 1, HKV, D, DTYPE, DEV)
+        self.kv_pool.k_buffer[0].normal_()
+        self.kv_pool.v_buffer[0].normal_()
+        perm = torch.randperm(size, generator=g).to(DEV)
+        self.req_pool.req_to_token[:, :seq] = perm.view(bs, seq).to(torch.int32)
+        rows = torch.arange(bs, device=DEV)
+        self.out_cache_loc = self.req_pool.req_to_token[:, prefix:seq].reshape(-1).long()
+        tokens = bs * new
+        self.q = torch.randn(tokens, H * D, dtype=DTYPE, device=DEV)
+        self.k = torch.randn(tokens, HKV * D, dtype=DTYPE, device=DEV)
+        self.v = torch.randn(tokens, HKV * D, dtype=DTYPE, device=DEV)
+        self.fb_args = dict(
+            forward_mode=mode, batch_size=bs,
+            input_ids=torch.zeros(tokens, dtype=torch.int64, device=DEV),
+            positions=torch.zeros(tokens, dtype=torch.int64, device=DEV),
+            out_cache_loc=self.out_cache_loc, req_pool_indices=rows,
+            seq_lens=torch.full((bs,), seq, dtype=torch.int64, device=DEV),
+            seq_lens_cpu=[seq] * bs, prefix_lens_cpu=[prefix] * bs, extend_lens_cpu=[new] * bs,
+            req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
+        )
+        self.layer = RadixAttention(H, D, D**-0.5, HKV, 0)
+        self.bytes = (size * HKV * D * 2 + 2 * tokens * H * D) * DTYPE.itemsize
+
+    def runner(self, backend: Any) -> Callable[[], torch.Tensor]:
+        fb = ForwardBatch(**self.fb_args, attn_backend=backend)
+        backend.init_forward_metadata(fb)
+
+        def run() -> torch.Tensor:
+            with forward_context(fb):
+                return self.layer(self.q, self.k, self.v)
+
+        return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_attention.json")
+    ap.add_argument("--backends", default="torch,triton,flashinfer")
+    ap.add_argument("--torch-max-tokens", type=int, default=1 << 19,
+                    help="skip the torch reference above this many KV tokens (it is slow)")
+    a = ap.parse_args()
+    backends = a.backends.split(",")
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {bw / 1e12:.2f} TB/s",
+          flush=True)
+    cases = [(ForwardMode.DECODE, bs, ctx - 1, 1) for bs in (1, 8, 64, 256)
+             for ctx in (512, 2048, 8192)]
+    cases += [(ForwardMode.EXTEND if p else ForwardMode.PREFILL, bs, p, 512)
+              for bs in (1, 8) for p in (0, 1024, 4096)]
+    built = {name: create_attention_backend(name, runner=make_runner(256)) for name in backends}
+    rows = []
+    for mode, bs, prefix, new in cases:
+        case = Case(mode, bs, prefix, new)
+        ref = None
+        for name in backends:
+            row = {"mode": mode.name, "batch": bs, "prefix": prefix, "new": new,
+                   "context": prefix + new, "backend": name}
+            if name == "torch" and bs * (prefix + new) > a.torch_max_tokens:
+                row["skipped"] = "too large for the torch reference"
+                rows.append(row)
+                continue
+            run = case.runner(built[name])
+            out = run().float()
+            if ref is None:
+                ref = out
+            row["max_abs_diff_vs_first"] = (out - ref).abs().max().item()
+            ms = cuda_time_ms(run)
+            row["ms"] = ms
+            row["gbps"] = case.bytes / (ms / 1e3) / 1e9
+            row["frac_of_copy"] = case.bytes / (ms / 1e3) / bw
+            rows.append(row)
+        del case
+        torch.cuda.empty_cache()
+    hdr = f"{'mode':8} {'bs':>4} {'prefix':>6} {'new':>4} {'backend':>10} {'ms':>9} {'GB/s':>8} {'%copy':>6} {'maxdiff':>8}"
+    print(hdr)
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['mode']:8} {r['batch']:>4} {r['prefix']:>6} {r['new']:>4} {r['backend']:>10}   skipped")
+            continue
+        print(f"{r['mode']:8} {r['batch']:>4} {r['prefix']:>6} {r['new']:>4} {r['backend']:>10} "
+              f"{r['ms']:9.4f} {r['gbps']:8.0f} {100 * r['frac_of_copy']:6.1f} "
+              f"{r['max_abs_diff_vs_first']:8.4f}")
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+            "copy_bandwidth_Bps": bw, "torch": torch.__version__, "argv": sys.argv,
+            "heads": H, "kv_heads": HKV, "head_dim": D, "dtype": str(DTYPE)}
+    with open(a.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

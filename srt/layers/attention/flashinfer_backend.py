@@ -1,0 +1,97 @@
+"""FlashInfer attention over the page-size-1 KV pool (GPU only, imported only when chosen).
+
+Page size 1 makes the pool a paged KV cache whose pages are single tokens: a request's page list
+is its `req_to_token` row. The index arrays are built once per step (not per layer) in
+`init_forward_metadata`, which also plans the wrapper once; every layer then only runs it. The
+workspace is allocated once at start-up. PREFILL and EXTEND both go through the paged prefill
+wrapper: this step's K/V are already in the pool, and FlashInfer's causal mask is aligned to the
+end of each request's KV, which is exactly "causal within the new part, all of the prefix".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from srt.layers.attention import AttentionBackend
+from srt.layers.forward_batch import ForwardBatch
+from srt.layers.radix_attention import RadixAttention
+
+WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+def build_kv_indices(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_indptr [bs + 1], kv_indices [sum seq_lens]) int32 from the requests' rows, without a
+    device sync: the total length is known on the host."""
+    dev = fb.seq_lens.device
+    lens_cpu = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64)
+    indptr_cpu = torch.zeros(fb.batch_size + 1, dtype=torch.int64)
+    torch.cumsum(lens_cpu, 0, out=indptr_cpu[1:])
+    total = int(indptr_cpu[-1])
+    indptr = indptr_cpu.to(dev, non_blocking=True)
+    lens = fb.seq_lens.to(torch.int64)
+    rows = torch.repeat_interleave(fb.req_pool_indices.to(torch.int64), lens, output_size=total)
+    starts = torch.repeat_interleave(indptr[:-1], lens, output_size=total)
+    cols = torch.arange(total, device=dev) - starts
+    indices = fb.req_to_token_pool.req_to_token[rows, cols]
+    return indptr.to(torch.int32), indices.to(torch.int32)
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    def __init__(self, runner: Any, **_: Any) -> None:
+        if runner.device.type != "cuda":
+            raise RuntimeError("the flashinfer attention backend needs a CUDA GPU")
+        try:
+            import flashinfer
+        except ImportError as e:
+            raise RuntimeError(
+                "the flashinfer attention backend needs flashinfer-python "
+                "(pip install 'srt[gpu]'); or use --attention-backend triton"
+            ) from e
+        self.device = runner.device
+        self.dtype = runner.dtype
+        self.num_heads = runner.num_heads_per_rank()
+        self.num_kv_heads = runner.model_kv_heads()
+        self.head_dim = runner.config.head_dim
+        self.sm_scale = runner.attn_scaling()
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        # Tensor cores pay off once several query heads share a KV head.
+        group = self.num_heads // self.num_kv_heads
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=group >= 4
+        )
+        self.last_page_len = torch.ones(
+            runner.max_running_requests, dtype=torch.int32, device=self.device
+        )
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        indptr, indices = build_kv_indices(fb)
+        last = self.last_page_len[: fb.batch_size]
+        if fb.forward_mode.is_extend():
+            qo_cpu = torch.zeros(fb.batch_size + 1, dtype=torch.int32)
+            torch.cumsum(torch.tensor(fb.extend_lens_cpu, dtype=torch.int32), 0, out=qo_cpu[1:])
+            self.prefill.plan(
+                qo_cpu.to(self.device, non_blocking=True), indptr, indices, last,
+                self.num_heads, self.num_kv_heads, self.head_dim, 1,
+                causal=True, sm_scale=self.sm_scale,
+                q_data_type=self.dtype, kv_data_type=self.dtype,
+            )
+        else:
+            self.decode.plan(
+                indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, 1,
+                sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+            )
+
+    def _paged(self, fb: ForwardBatch, layer: RadixAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        return k.unsqueeze(1), v.unsqueeze(1)  # [pages, page_size = 1, kv_heads, head_dim]
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+        return self.prefill.run(q.contiguous(), self._paged(fb, layer))
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+        return self.decode.run(q.contiguous(), self._paged(fb, layer))

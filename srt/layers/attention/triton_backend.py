@@ -1,0 +1,138 @@
+"""Attention through the Triton kernels of `srt.layers.attention.triton_ops`.
+
+PREFILL (no request has a cached prefix): `context_attention_fwd` on this step's contiguous q/k/v.
+EXTEND: `extend_attention_fwd`, the prefix read from the pool through req_to_token.
+DECODE: `decode_attention_fwd`, split-K over the context, GQA groups in one program.
+
+Everything per step (device copies of the lengths, start offsets, the number of KV splits) is
+built once in `init_forward_metadata` from the ForwardBatch's host lists; the per-layer calls do no
+host sync. The decode workspace is allocated once, at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+import torch
+
+from srt.layers.attention import AttentionBackend
+from srt.layers.attention.triton_ops import (
+    choose_num_kv_splits,
+    context_attention_fwd,
+    decode_attention_fwd,
+    decode_workspace,
+    extend_attention_fwd,
+)
+from srt.layers.attention.triton_ops.decode_attention import DECODE_MAX_KV_SPLITS, device_num_sms
+from srt.layers.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.radix_attention import RadixAttention
+
+
+@dataclass
+class TritonExtendMetadata:
+    prefix_lens: torch.Tensor  # [bs] int32, device
+    extend_lens: torch.Tensor  # [bs] int32, device
+    extend_start_loc: torch.Tensor  # [bs] int32, device
+    max_len_extend: int
+
+
+@dataclass
+class TritonDecodeMetadata:
+    num_kv_splits: int
+
+
+class TritonAttnBackend(AttentionBackend):
+    def __init__(self, runner: Any = None, **_: object) -> None:
+        if runner is None:
+            raise ValueError("TritonAttnBackend needs the model runner")
+        config = runner.config
+        self.num_kv_heads = int(runner.model_kv_heads())
+        self.num_heads = _model_num_heads(runner, config.num_heads)
+        self.head_dim = int(config.head_dim)
+        self.device = torch.device(runner.device)
+        self.max_bs = int(runner.max_running_requests)
+        self.num_sms = device_num_sms(self.device)
+        self.max_kv_splits = DECODE_MAX_KV_SPLITS
+        # The flat workspace holds bs * splits partial results; size it for the largest
+        # bs * choose_num_kv_splits(bs, ...) any batch up to max_bs can ask for.
+        need = max(
+            bs * self._splits(bs, 1 << 30) for bs in range(1, self.max_bs + 1)
+        )
+        self.workspace_splits = -(-need // self.max_bs)
+        self.workspace = decode_workspace(
+            self.max_bs, self.num_heads, self.head_dim, self.workspace_splits, self.device
+        )
+
+    def _splits(self, bs: int, max_seq_len: int) -> int:
+        return choose_num_kv_splits(
+            bs, self.num_kv_heads, max_seq_len, num_sms=self.num_sms, max_splits=self.max_kv_splits
+        )
+
+    # ------------------------------------------------------------------ per step
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.forward_mode.is_extend():
+            prefix = list(fb.prefix_lens_cpu)
+            extend = list(fb.extend_lens_cpu)
+            starts = [0, *accumulate(extend)][:-1]
+            # one host->device copy for the three per-request vectors
+            packed = torch.tensor([prefix, extend, starts], dtype=torch.int32)
+            packed = packed.to(fb.req_pool_indices.device, non_blocking=True)
+            fb.attn_metadata = TritonExtendMetadata(
+                prefix_lens=packed[0],
+                extend_lens=packed[1],
+                extend_start_loc=packed[2],
+                max_len_extend=max(extend, default=0),
+            )
+        else:
+            fb.attn_metadata = TritonDecodeMetadata(
+                num_kv_splits=self._splits(fb.batch_size, max(fb.seq_lens_cpu, default=1))
+            )
+
+    # ------------------------------------------------------------------ per layer
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:
+        meta: TritonExtendMetadata = fb.attn_metadata
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if fb.forward_mode == ForwardMode.PREFILL:
+            context_attention_fwd(
+                q, k, v, o, meta.extend_start_loc, meta.extend_lens, meta.max_len_extend,
+                layer.scaling,
+            )
+        else:
+            k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+            extend_attention_fwd(
+                q, k, v, o, k_buf, v_buf, fb.req_to_token_pool.req_to_token,
+                fb.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.extend_start_loc,
+                meta.max_len_extend, layer.scaling,
+            )
+        return o
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:
+        meta: TritonDecodeMetadata = fb.attn_metadata
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        decode_attention_fwd(
+            q, k_buf, v_buf, o, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+            fb.seq_lens, layer.scaling, meta.num_kv_splits, self.workspace,
+        )
+        return o
+
+
+def _model_num_heads(runner: Any, default: int) -> int:
+    """Query heads of this rank's attention layers (the config's count for tp 1)."""
+    per_rank = getattr(runner, "num_heads_per_rank", None)
+    if callable(per_rank):
+        return int(per_rank())
+    try:
+        return int(runner.model.model.layers[0].self_attn.num_heads)
+    except AttributeError:
+        return int(default)

@@ -1,0 +1,304 @@
+"""DECODE attention: one query per request over its whole context in the KV pool, split-K style.
+
+Stage 1, grid (bs, kv_heads, num_kv_splits): one program takes one KV head and one contiguous
+range of the request's context (a "split"), and computes for ALL query heads of that KV head's
+group at once (the group's queries are the M dimension of a tl.dot, padded to 16 rows), so every
+K/V byte is read from memory once per group. It writes per (request, head, split) the normalised
+partial output and its log-sum-exp (base 2) into a float32 workspace.
+Stage 2, grid (bs, heads): merges the splits of one (request, head) with the usual LSE weights.
+
+Split boundaries are `split_len = round_up(cdiv(seq_len, num_kv_splits), BLOCK_N)` so every split
+but the last starts on a block boundary; splits past the end of a short context are empty:
+stage 1 skips them and stage 2 masks them out (so more splits than tokens is fine).
+
+The workspace (see `decode_workspace`) is one flat float32 buffer: per call the first
+bs * H * splits * D floats hold the partial outputs [bs, H, splits, D] and the next
+bs * H * splits the LSEs [bs, H, splits]. Allocate it once and reuse it: the call does no
+allocation, no host sync and is CUDA-graph capturable when a workspace is given.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from srt.layers.attention.triton_ops.prefill_attention import (
+    LOG2E,
+    _dot,
+    _mma,
+    check_heads,
+    check_layout,
+    dot_precision,
+    interpret_upcast,
+)
+
+DECODE_BLOCK_N = 32  # tokens per inner step of stage 1
+DECODE_MIN_BLOCK_H = 16  # tl.dot needs M >= 16: the query-head group is padded to this
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
+# Split rule: aim at PROGRAMS_PER_SM stage-1 programs per SM, never splits shorter than
+# MIN_TOKENS_PER_SPLIT, never more than MAX_KV_SPLITS splits.
+DECODE_PROGRAMS_PER_SM = 4
+DECODE_MIN_TOKENS_PER_SPLIT = 64
+DECODE_MAX_KV_SPLITS = 64
+_DEFAULT_NUM_SMS = 132  # H100 / H200
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_num_sms(device: torch.device | str | None = None) -> int:
+    """Streaming multiprocessors of `device` (the current CUDA device if None); 132 without CUDA."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return _DEFAULT_NUM_SMS
+    if not torch.cuda.is_available():
+        return _DEFAULT_NUM_SMS
+    index = device.index if device is not None and device.index is not None else (
+        torch.cuda.current_device())
+    return _cuda_num_sms(index)
+
+
+def choose_num_kv_splits(
+    bs: int,
+    kv_heads: int,
+    max_seq_len: int,
+    *,
+    num_sms: int | None = None,
+    max_splits: int = DECODE_MAX_KV_SPLITS,
+) -> int:
+    """splits = clamp(ceil(num_sms * 4 / (bs * kv_heads)), 1, max_splits), further limited so a
+    split of the longest context holds at least 64 tokens. Host ints only; deterministic."""
+    target = (num_sms if num_sms is not None else device_num_sms()) * DECODE_PROGRAMS_PER_SM
+    splits = triton.cdiv(target, max(1, bs * kv_heads))
+    splits = min(splits, triton.cdiv(max(1, max_seq_len), DECODE_MIN_TOKENS_PER_SPLIT))
+    return max(1, min(splits, max_splits))
+
+
+def decode_workspace_numel(bs: int, num_heads: int, head_dim: int, num_kv_splits: int) -> int:
+    return bs * num_heads * num_kv_splits * (head_dim + 1)
+
+
+def decode_workspace(
+    max_bs: int, num_heads: int, head_dim: int, num_kv_splits: int,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """Flat float32 workspace big enough for any call with bs * splits <= max_bs * num_kv_splits
+    (same heads and head_dim)."""
+    numel = decode_workspace_numel(max_bs, num_heads, head_dim, num_kv_splits)
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+@triton.jit
+def _decode_split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q, K_Buffer, V_Buffer,
+    Req_To_Token, Req_Pool_Indices, Seq_Lens,
+    Mid_O, Mid_Lse,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qb, stride_qh,
+    stride_kbuf_t, stride_kbuf_h,
+    stride_vbuf_t, stride_vbuf_h,
+    stride_r2t,
+    num_heads,
+    num_splits,
+    KV_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    cur_batch = tl.program_id(0)
+    cur_kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(Seq_Lens + cur_batch).to(tl.int32)
+    split_len = _decode_split_len(seq_len, num_splits, BLOCK_N)
+    split_start = split * split_len
+    split_end = tl.minimum(split_start + split_len, seq_len)
+    if split_start >= split_end:
+        return  # an empty split (short context): stage 2 ignores it
+    row = tl.load(Req_Pool_Indices + cur_batch).to(tl.int64)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < KV_GROUP
+    cur_heads = cur_kv_head * KV_GROUP + offs_h
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q_ptrs = (Q + cur_batch.to(tl.int64) * stride_qb + cur_heads[:, None] * stride_qh
+              + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    slot_row = Req_To_Token + row * stride_r2t
+    kbuf_base = K_Buffer + cur_kv_head * stride_kbuf_h
+    vbuf_base = V_Buffer + cur_kv_head * stride_vbuf_h
+    for start_n in range(split_start, split_end, BLOCK_N):
+        cur_n = start_n + offs_n
+        mask_n = cur_n < split_end
+        slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        v = tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = _mma(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
+        m_i = m_new
+
+    # partial result of this split, normalised, and its log2-sum-exp2
+    base = (cur_batch.to(tl.int64) * num_heads + cur_heads) * num_splits + split  # [BLOCK_H]
+    o_ptrs = Mid_O + base[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(Mid_Lse + base, m_i + tl.math.log2(l_i), mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    Mid_O, Mid_Lse, O, Seq_Lens,
+    stride_ob, stride_oh,
+    num_heads,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    cur_batch = tl.program_id(0)
+    cur_head = tl.program_id(1)
+
+    seq_len = tl.load(Seq_Lens + cur_batch).to(tl.int32)
+    split_len = _decode_split_len(seq_len, num_splits, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    valid = (offs_s < num_splits) & (offs_s * split_len < seq_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    base = (cur_batch.to(tl.int64) * num_heads + cur_head) * num_splits + offs_s  # [BLOCK_S]
+    lse = tl.load(Mid_Lse + base, mask=valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(valid, tl.math.exp2(lse - m), 0.0)
+    parts = tl.load(Mid_O + base[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=valid[:, None] & mask_d[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+    o_ptrs = O + cur_batch.to(tl.int64) * stride_ob + cur_head * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask_d)
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    num_kv_splits: int,
+    workspace: torch.Tensor | None = None,
+    *,
+    block_n: int | None = None,
+) -> None:
+    """One query per request over the whole context `req_to_token[req_pool_indices[i],
+    :seq_lens[i]]` (the current token's K/V already in the pool), written into `o`.
+
+    q, o: [bs, H, D]; k_buffer, v_buffer: [S, Hkv, D] pool of the layer; req_to_token: [R, C]
+    int32/int64; req_pool_indices, seq_lens: [bs] int32/int64 device tensors (seq_lens >= 1);
+    num_kv_splits: host int >= 1 (see choose_num_kv_splits); workspace: float32 with at least
+    decode_workspace_numel(bs, H, D, num_kv_splits) elements (allocated here if None).
+    """
+    check_heads(q, k_buffer)
+    check_layout(q, o, k_buffer, v_buffer)
+    group = q.shape[1] // k_buffer.shape[1]
+    if k_buffer.shape != v_buffer.shape or o.shape != q.shape:
+        raise ValueError("k/v buffer or q/o shape mismatch")
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token rows must be contiguous")
+    if num_kv_splits < 1:
+        raise ValueError("num_kv_splits must be >= 1")
+    bs, heads, head_dim = q.shape
+    kv_heads = k_buffer.shape[1]
+    if bs == 0:
+        return
+    need = decode_workspace_numel(bs, heads, head_dim, num_kv_splits)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+    elif (workspace.dtype != torch.float32 or not workspace.is_contiguous()
+          or workspace.numel() < need):
+        raise ValueError(
+            f"decode workspace too small or not contiguous float32: need {need} floats for "
+            f"bs={bs}, heads={heads}, head_dim={head_dim}, splits={num_kv_splits}"
+        )
+    flat = workspace.view(-1)
+    n_o = bs * heads * num_kv_splits * head_dim
+    mid_o = flat[:n_o]
+    mid_lse = flat[n_o:need]
+
+    block_n = block_n or DECODE_BLOCK_N
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_stage1_kernel[(bs, kv_heads, num_kv_splits)](
+        q, k_buffer, v_buffer,
+        req_to_token, req_pool_indices, seq_lens,
+        mid_o, mid_lse,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        heads,
+        num_kv_splits,
+        KV_GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_H=max(DECODE_MIN_BLOCK_H, triton.next_power_of_2(group)),
+        BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(q.dtype),
+        UPCAST=interpret_upcast(q.dtype),
+        num_warps=DECODE_NUM_WARPS,
+        num_stages=DECODE_NUM_STAGES,
+    )
+    _decode_stage2_kernel[(bs, heads)](
+        mid_o, mid_lse, o, seq_lens,
+        o.stride(0), o.stride(1),
+        heads,
+        num_kv_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        BLOCK_N=block_n,
+        num_warps=4,
+        num_stages=1,
+    )
+
+
+__all__ = [
+    "choose_num_kv_splits",
+    "decode_attention_fwd",
+    "decode_workspace",
+    "decode_workspace_numel",
+    "device_num_sms",
+]

@@ -1,0 +1,203 @@
+"""EXTEND attention: the new tokens of each request attend to its cached prefix and to themselves.
+
+Queries are the new tokens only (packed; request i owns rows `extend_start_loc[i] :
+extend_start_loc[i] + extend_lens[i]`). Keys/values are the cached prefix, read from the KV pool
+through `req_to_token[req_pool_indices[i], :prefix_lens[i]]` (page size 1: one slot per token),
+followed by the new tokens' k_extend / v_extend of this step (contiguous rows, causal).
+
+One program = BLOCK_M new tokens of one query head, three key loops sharing one online softmax:
+  1. the prefix, gathered through req_to_token (length mask only);
+  2. the new tokens strictly before the query block (no mask);
+  3. the new tokens on the diagonal (causal + length mask).
+Query t of a request sits at position prefix_len + t and sees every prefix key and the new keys
+0..t, so the causal test inside the new part is the plain `t >= j`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from srt.layers.attention.triton_ops.prefill_attention import (
+    LOG2E,
+    _dot,
+    _online_softmax_step,
+    check_heads,
+    check_layout,
+    default_blocks,
+    dot_precision,
+    interpret_upcast,
+)
+
+EXTEND_NUM_WARPS = 8
+EXTEND_NUM_STAGES = 2
+
+
+@triton.jit
+def _extend_fwd_kernel(
+    Q_Extend, K_Extend, V_Extend, O_Extend,
+    K_Buffer, V_Buffer,
+    Req_To_Token, Req_Pool_Indices, Prefix_Lens, Extend_Lens, Extend_Start_Loc,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qt, stride_qh,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    stride_kbuf_t, stride_kbuf_h,
+    stride_vbuf_t, stride_vbuf_h,
+    stride_r2t,
+    KV_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # grid (heads, bs, query blocks): the heads of one KV group run side by side (K/V reuse in
+    # L2), and the last, most expensive query blocks of the causal triangle are launched first
+    cur_head = tl.program_id(0)
+    cur_batch = tl.program_id(1)
+    start_m = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
+    cur_kv_head = cur_head // KV_GROUP
+
+    ext_len = tl.load(Extend_Lens + cur_batch).to(tl.int32)
+    if start_m >= ext_len:
+        return
+    prefix_len = tl.load(Prefix_Lens + cur_batch).to(tl.int32)
+    tok0 = tl.load(Extend_Start_Loc + cur_batch).to(tl.int64)
+    row = tl.load(Req_Pool_Indices + cur_batch).to(tl.int64)
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    mask_m = offs_m < ext_len
+
+    q_ptrs = (Q_Extend + (tok0 + offs_m)[:, None] * stride_qt + cur_head * stride_qh
+              + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # 1. the cached prefix, one pool slot per token
+    slot_row = Req_To_Token + row * stride_r2t
+    kbuf_base = K_Buffer + cur_kv_head * stride_kbuf_h
+    vbuf_base = V_Buffer + cur_kv_head * stride_vbuf_h
+    for start_n in range(0, prefix_len, BLOCK_N):
+        cur_n = start_n + offs_n
+        mask_n = cur_n < prefix_len
+        slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        v = tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+
+    # 2. new tokens before the query block: all valid, all visible
+    k_base = K_Extend + tok0 * stride_kt + cur_kv_head * stride_kh
+    v_base = V_Extend + tok0 * stride_vt + cur_kv_head * stride_vh
+    for start_n in range(0, start_m, BLOCK_N):
+        cur_n = start_n + offs_n
+        k = tl.load(k_base + cur_n[:, None] * stride_kt + offs_d[None, :],
+                    mask=mask_d[None, :], other=0.0)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale
+        v = tl.load(v_base + cur_n[:, None] * stride_vt + offs_d[None, :],
+                    mask=mask_d[None, :], other=0.0)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+
+    # 3. the diagonal of the new part: causal + length
+    end_n = tl.minimum(start_m + BLOCK_M, ext_len)
+    for start_n in range(start_m, end_n, BLOCK_N):
+        cur_n = start_n + offs_n
+        mask_n = cur_n < end_n
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_base + cur_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale
+        visible = (offs_m[:, None] >= cur_n[None, :]) & mask_n[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        v = tl.load(v_base + cur_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+
+    acc = acc / l_i[:, None]
+    o_ptrs = (O_Extend + (tok0 + offs_m)[:, None] * stride_ot + cur_head * stride_oh
+              + offs_d[None, :])
+    tl.store(o_ptrs, acc.to(O_Extend.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def extend_attention_fwd(
+    q_extend: torch.Tensor,
+    k_extend: torch.Tensor,
+    v_extend: torch.Tensor,
+    o_extend: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    max_len_extend: int,
+    sm_scale: float,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> None:
+    """Attention of the new tokens over cached prefix + themselves, written into `o_extend`.
+
+    q_extend, o_extend: [T, H, D]; k_extend, v_extend: [T, Hkv, D] (this step's K/V, the same
+    values the layer wrote to the pool); k_buffer, v_buffer: [S, Hkv, D] pool of the layer;
+    req_to_token: [R, C] int32/int64; req_pool_indices, prefix_lens, extend_lens,
+    extend_start_loc: [bs] int32/int64 device tensors; max_len_extend: a host int >=
+    max(extend_lens).
+    """
+    group = check_heads(q_extend, k_extend)
+    check_layout(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer)
+    if (k_extend.shape != v_extend.shape or o_extend.shape != q_extend.shape
+            or k_buffer.shape != v_buffer.shape or k_buffer.shape[1:] != k_extend.shape[1:]):
+        raise ValueError("shape mismatch between q/k/v/o and the KV buffers")
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token rows must be contiguous")
+    bs = extend_lens.shape[0]
+    heads, head_dim = q_extend.shape[1], q_extend.shape[2]
+    if bs == 0 or max_len_extend <= 0:
+        return
+    default_m, default_n = default_blocks(q_extend.dtype)  # same tiles as prefill
+    block_m = block_m or default_m
+    block_n = block_n or default_n
+    if block_m % block_n:
+        raise ValueError("block_m must be a multiple of block_n")
+    grid = (heads, bs, triton.cdiv(max_len_extend, block_m))
+    _extend_fwd_kernel[grid](
+        q_extend, k_extend, v_extend, o_extend,
+        k_buffer, v_buffer,
+        req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
+        sm_scale * LOG2E,
+        q_extend.stride(0), q_extend.stride(1),
+        k_extend.stride(0), k_extend.stride(1),
+        v_extend.stride(0), v_extend.stride(1),
+        o_extend.stride(0), o_extend.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        KV_GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(q_extend.dtype),
+        UPCAST=interpret_upcast(q_extend.dtype),
+        num_warps=EXTEND_NUM_WARPS,
+        num_stages=EXTEND_NUM_STAGES,
+    )
+
+
+__all__ = ["extend_attention_fwd"]

@@ -1,0 +1,228 @@
+"""Causal attention over a batch of variable-length prompts with no cached prefix (PREFILL).
+
+q, k and v are this step's tokens, packed: request i owns rows
+`b_start_loc[i] : b_start_loc[i] + b_seq_len[i]`. One program computes a block of BLOCK_M queries
+of one head with a flash-attention style online softmax (base 2, fp32 accumulators). The key loop
+is split in two: the blocks strictly before the query block need no mask at all, only the blocks on
+the diagonal are masked (causal and length).
+
+Also home of the helpers the extend kernel shares (`_online_softmax_step`, `dot_precision`, ...).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Tile sizes and launch shape for H100/H200 class GPUs (BLOCK_M must be a multiple of BLOCK_N).
+# fp16/bf16: 128x64 tiles, 8 warps (wgmma; ~210-240 registers/thread, 48-96 KB shared memory at
+# 2 stages, no spills in a sm_90 compile). fp32 runs its dots as 3xTF32 and needs smaller tiles to
+# stay within registers and shared memory.
+PREFILL_BLOCKS = {"half": (128, 64), "fp32": (64, 32)}
+PREFILL_NUM_WARPS = 8
+PREFILL_NUM_STAGES = 2
+
+
+def default_blocks(dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the prefill / extend kernels for `dtype`."""
+    return PREFILL_BLOCKS["fp32" if dtype == torch.float32 else "half"]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs: 3xTF32 (fp32-grade products on the tensor cores; plain tl.dot would use
+    TF32 and lose ~3 digits). fp16/bf16: the tensor cores' native path."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def interpret_upcast(dtype: torch.dtype) -> bool:
+    """True when running under TRITON_INTERPRET with bf16 inputs: the interpreter's tl.dot
+    multiplies the raw uint16 storage of bf16 (triton 3.9), so the kernels upcast the operands to
+    fp32 there (after the same bf16 rounding of p). Always False on a GPU."""
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_heads(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Validate [*, H, D] against [*, Hkv, D]; returns the GQA group size H // Hkv."""
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"expected [tokens, heads, head_dim] tensors, got {q.shape} / {k.shape}")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head_dim mismatch: q {q.shape[2]} vs k/v {k.shape[2]}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"kv heads ({kv_heads}) must divide query heads ({heads})")
+    return heads // kv_heads
+
+
+def check_layout(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype != tensors[0].dtype:
+            raise ValueError(f"dtype mismatch: {t.dtype} vs {tensors[0].dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError("the head_dim axis must be contiguous (stride 1)")
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b in fp32. UPCAST only under the interpreter (see interpret_upcast)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b, acc fp32. UPCAST only under the interpreter (see interpret_upcast)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr,
+                         UPCAST: tl.constexpr):
+    """One key block of the online softmax. qk: [M, N] fp32 scores already scaled to base 2 and
+    masked with -inf; v: [N, D]; m_i, l_i: [M] running max / sum; acc: [M, D] fp32."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = _mma(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_fwd_kernel(
+    Q, K, V, O,
+    B_Start_Loc, B_Seq_Len,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qt, stride_qh,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    KV_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # grid (heads, bs, query blocks): the heads of one KV group run side by side (K/V reuse in
+    # L2), and the last, most expensive query blocks of the causal triangle are launched first
+    cur_head = tl.program_id(0)
+    cur_batch = tl.program_id(1)
+    start_m = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
+    cur_kv_head = cur_head // KV_GROUP
+
+    seq_len = tl.load(B_Seq_Len + cur_batch).to(tl.int32)
+    if start_m >= seq_len:
+        return
+    tok0 = tl.load(B_Start_Loc + cur_batch).to(tl.int64)
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    mask_m = offs_m < seq_len
+
+    q_ptrs = Q + (tok0 + offs_m)[:, None] * stride_qt + cur_head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    k_base = K + tok0 * stride_kt + cur_kv_head * stride_kh
+    v_base = V + tok0 * stride_vt + cur_kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Keys before the query block: every key is valid (< start_m < seq_len) and visible to every
+    # query of the block, so only the head_dim padding is masked.
+    for start_n in range(0, start_m, BLOCK_N):
+        cur_n = start_n + offs_n
+        k = tl.load(k_base + cur_n[:, None] * stride_kt + offs_d[None, :],
+                    mask=mask_d[None, :], other=0.0)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale
+        v = tl.load(v_base + cur_n[:, None] * stride_vt + offs_d[None, :],
+                    mask=mask_d[None, :], other=0.0)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+
+    # The diagonal: causal and length masks.
+    end_n = tl.minimum(start_m + BLOCK_M, seq_len)
+    for start_n in range(start_m, end_n, BLOCK_N):
+        cur_n = start_n + offs_n
+        mask_n = cur_n < end_n
+        k = tl.load(k_base + cur_n[:, None] * stride_kt + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale
+        visible = (offs_m[:, None] >= cur_n[None, :]) & mask_n[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        v = tl.load(v_base + cur_n[:, None] * stride_vt + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+
+    acc = acc / l_i[:, None]
+    o_ptrs = O + (tok0 + offs_m)[:, None] * stride_ot + cur_head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def context_attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    b_start_loc: torch.Tensor,
+    b_seq_len: torch.Tensor,
+    max_input_len: int,
+    sm_scale: float,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> None:
+    """Causal attention of packed prompts, written into `o`.
+
+    q, o: [T, H, D]; k, v: [T, Hkv, D] (Hkv divides H; any row/head strides, head_dim
+    contiguous). b_start_loc, b_seq_len: [bs] int32/int64 device tensors; max_input_len: a host
+    int >= max(b_seq_len). Rows of `o` not covered by any request are left untouched.
+    """
+    group = check_heads(q, k)
+    check_layout(q, k, v, o)
+    if k.shape != v.shape or o.shape != q.shape:
+        raise ValueError("k/v or q/o shape mismatch")
+    bs = b_seq_len.shape[0]
+    heads, head_dim = q.shape[1], q.shape[2]
+    if bs == 0 or max_input_len <= 0:
+        return
+    default_m, default_n = default_blocks(q.dtype)
+    block_m = block_m or default_m
+    block_n = block_n or default_n
+    if block_m % block_n:
+        raise ValueError("block_m must be a multiple of block_n")
+    grid = (heads, bs, triton.cdiv(max_input_len, block_m))
+    _prefill_fwd_kernel[grid](
+        q, k, v, o,
+        b_start_loc, b_seq_len,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1),
+        o.stride(0), o.stride(1),
+        KV_GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(q.dtype),
+        UPCAST=interpret_upcast(q.dtype),
+        num_warps=PREFILL_NUM_WARPS,
+        num_stages=PREFILL_NUM_STAGES,
+    )
+
+
+__all__ = ["context_attention_fwd"]

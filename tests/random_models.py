@@ -1,0 +1,41 @@
+"""Small random checkpoints saved with transformers, for tests that need a model but not a real one."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def save_word_tokenizer(path: str, vocab_size: int) -> None:
+    """A word-level tokenizer over tokens "t0".."t{n-1}" plus specials (eos id 1)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+    fast.save_pretrained(path)
+
+
+def save_random_llama(path: str, dtype: str = "float32", seed: int = 0, **overrides: Any) -> str:
+    """A random LlamaForCausalLM (and a tokenizer) saved under `path`; returns `path`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+               num_attention_heads=8, num_key_value_heads=4, vocab_size=512,
+               max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+               bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).to(getattr(torch, dtype))
+    # Larger weights than the default init so greedy tokens are not dominated by near-ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    save_word_tokenizer(path, cfg["vocab_size"])
+    return path
