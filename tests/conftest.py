@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 
