@@ -39,7 +39,7 @@ def build_kv_indices(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class FlashInferAttnBackend(AttentionBackend):
-    def __init__(self, runner: Any, **_: Any) -> None:
+    def __init__(self, runner: Any, decode_tensor_cores: bool | None = None, **_: Any) -> None:
         if runner.device.type != "cuda":
             raise RuntimeError("the flashinfer attention backend needs a CUDA GPU")
         try:
@@ -58,9 +58,10 @@ class FlashInferAttnBackend(AttentionBackend):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         # Tensor cores pay off once several query heads share a KV head.
-        group = self.num_heads // self.num_kv_heads
+        if decode_tensor_cores is None:
+            decode_tensor_cores = self.num_heads // self.num_kv_heads >= 4
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=group >= 4
+            self.workspace, "NHD", use_tensor_cores=decode_tensor_cores
         )
         self.last_page_len = torch.ones(
             runner.max_running_requests, dtype=torch.int32, device=self.device
