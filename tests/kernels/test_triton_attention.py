@@ -291,7 +291,9 @@ def test_choose_num_kv_splits() -> None:
     sms = 132
     assert choose_num_kv_splits(64, 8, 2048, num_sms=sms) == 2
     assert choose_num_kv_splits(1, 8, 8192, num_sms=sms) == DECODE_MAX_KV_SPLITS
-    assert choose_num_kv_splits(1, 8, 100, num_sms=sms) == 2  # >= 64 tokens a split
+    assert DECODE_MIN_TOKENS_PER_SPLIT == 128
+    assert choose_num_kv_splits(1, 8, 100, num_sms=sms) == 1  # >= 128 tokens a split
+    assert choose_num_kv_splits(1, 8, 300, num_sms=sms) == 3
     assert choose_num_kv_splits(1, 8, 1, num_sms=sms) == 1
     assert choose_num_kv_splits(512, 8, 4096, num_sms=sms) == 1
     assert choose_num_kv_splits(1, 8, 8192, num_sms=sms, max_splits=16) == 16

@@ -30,8 +30,11 @@ from srt.layers.attention.triton_ops.prefill_attention import (
     interpret_upcast,
 )
 
+# Tuned on one H200 (benchmarks/sweep_triton_attention.py: 512 new tokens over a 4096-token
+# prefix, 32/8 heads, d 128, bf16): 128x128 tiles, 8 warps, 3 stages were fastest at batch 1.
+EXTEND_HALF_BLOCKS = (128, 128)
 EXTEND_NUM_WARPS = 8
-EXTEND_NUM_STAGES = 2
+EXTEND_NUM_STAGES = 3
 
 
 @triton.jit
@@ -170,7 +173,9 @@ def extend_attention_fwd(
     heads, head_dim = q_extend.shape[1], q_extend.shape[2]
     if bs == 0 or max_len_extend <= 0:
         return
-    default_m, default_n = default_blocks(q_extend.dtype)  # same tiles as prefill
+    default_m, default_n = (
+        default_blocks(q_extend.dtype) if q_extend.dtype == torch.float32 else EXTEND_HALF_BLOCKS
+    )
     block_m = block_m or default_m
     block_n = block_n or default_n
     if block_m % block_n:
