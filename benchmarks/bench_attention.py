@@ -86,7 +86,8 @@ def make_runner(max_reqs: int) -> Any:
 class Case:
     """One batch laid out in a pool with shuffled slots; this step's tokens at the end of each."""
 
-    def __init__(self, mode: ForwardMode, bs: int, prefix: int, new: int, seed: int = 0) -> None:
+    def __init__(self, mode: ForwardMode, bs: int, prefix: int, new: int, seed: int = 0,
+                 contiguous: bool = False) -> None:
         g = torch.Generator(device="cpu").manual_seed(seed)
         self.mode, self.bs = mode, bs
         seq = prefix + new
@@ -95,7 +96,9 @@ class Case:
         self.kv_pool = TokenToKVPool(size, 1, HKV, D, DTYPE, DEV)
         self.kv_pool.k_buffer[0].normal_()
         self.kv_pool.v_buffer[0].normal_()
-        perm = torch.randperm(size, generator=g).to(DEV)
+        # random: every token's slot anywhere in the pool (the worst case for page size 1);
+        # contiguous: each request's slots in one run, as a fresh pool hands them out
+        perm = (torch.arange(size) if contiguous else torch.randperm(size, generator=g)).to(DEV)
         self.req_pool.req_to_token[:, :seq] = perm.view(bs, seq).to(torch.int32)
         rows = torch.arange(bs, device=DEV)
         self.out_cache_loc = self.req_pool.req_to_token[:, prefix:seq].reshape(-1).long()
@@ -132,15 +135,20 @@ def main() -> None:
     ap.add_argument("--backends", default="torch,triton,flashinfer,flashinfer-cudacore")
     ap.add_argument("--torch-max-tokens", type=int, default=1 << 19,
                     help="skip the torch reference above this many KV tokens (it is slow)")
+    ap.add_argument("--slots", choices=("random", "contiguous"), default="random")
+    ap.add_argument("--only", choices=("all", "decode", "extend"), default="all")
     a = ap.parse_args()
     backends = a.backends.split(",")
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {bw / 1e12:.2f} TB/s",
           flush=True)
-    cases = [(ForwardMode.DECODE, bs, ctx - 1, 1) for bs in (1, 8, 64, 256)
-             for ctx in (512, 2048, 8192)]
-    cases += [(ForwardMode.EXTEND if p else ForwardMode.PREFILL, bs, p, 512)
-              for bs in (1, 8) for p in (0, 1024, 4096)]
+    cases = []
+    if a.only in ("all", "decode"):
+        cases += [(ForwardMode.DECODE, bs, ctx - 1, 1) for bs in (1, 8, 64, 256)
+                  for ctx in (512, 2048, 8192)]
+    if a.only in ("all", "extend"):
+        cases += [(ForwardMode.EXTEND if p else ForwardMode.PREFILL, bs, p, 512)
+                  for bs in (1, 8) for p in (0, 1024, 4096)]
     built = {}
     for name in backends:
         if name == "flashinfer-cudacore":  # FlashInfer decode without tensor cores
@@ -150,7 +158,7 @@ def main() -> None:
             built[name] = create_attention_backend(name, runner=make_runner(256))
     rows = []
     for mode, bs, prefix, new in cases:
-        case = Case(mode, bs, prefix, new)
+        case = Case(mode, bs, prefix, new, contiguous=a.slots == "contiguous")
         ref = None
         for name in backends:
             row = {"mode": mode.name, "batch": bs, "prefix": prefix, "new": new,
@@ -189,7 +197,7 @@ def main() -> None:
               f"{r['max_abs_diff_vs_first']:8.4f}")
     meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
             "copy_bandwidth_Bps": bw, "torch": torch.__version__, "argv": sys.argv,
-            "heads": H, "kv_heads": HKV, "head_dim": D, "dtype": str(DTYPE)}
+            "heads": H, "kv_heads": HKV, "head_dim": D, "dtype": str(DTYPE), "slots": a.slots}
     with open(a.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
