@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,3 +73,23 @@ def rope_params(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
         return float(params["rope_theta"]), scaling
     theta = float(getattr(hf_config, "rope_theta", 10000.0))
     return theta, getattr(hf_config, "rope_scaling", None)
+
+
+def check_tp_size(path: str, tp_size: int) -> None:
+    """Refuse a --tp-size that cannot split the model's heads (read from config.json alone, so
+    the launcher can say so before starting any process)."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    heads = cfg.get("num_attention_heads")
+    if heads is None:
+        return
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if heads % tp_size:
+        raise ValueError(
+            f"--tp-size {tp_size} does not divide the model's {heads} attention heads; "
+            f"use a divisor of {heads}"
+        )
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(
+            f"--tp-size {tp_size} and the model's {kv_heads} KV heads: one must divide the other"
+        )

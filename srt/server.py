@@ -246,6 +246,13 @@ def launch_server(args: ServerArgs) -> int:
 
         args = dataclasses.replace(args, model_path=ensure_default_model())
     args = args.resolve()
+    from srt.model_config import check_tp_size
+
+    try:
+        check_tp_size(args.model_path, args.tp_size)
+    except (OSError, ValueError) as e:
+        logger.error("%s", e)
+        return 2
     logger.info("starting srt: model %s, tp_size %d", args.model_path, args.tp_size)
 
     from srt.managers.detokenizer_manager import run_detokenizer_process

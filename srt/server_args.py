@@ -16,6 +16,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
+from srt.utils import free_port
+
 _HEURISTICS = ("lpm", "dfs-weight", "fcfs", "random")
 
 
@@ -77,8 +79,6 @@ class ServerArgs:
     def validate(self) -> None:
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
-        if self.tp_size != 1:
-            raise ValueError("--tp-size > 1 is not supported yet")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
@@ -129,6 +129,7 @@ class PortArgs:
     model_to_router: str
     router_to_detokenizer: str
     detokenizer_to_tokenizer: str
+    dist_init_port: int | None  # loopback TCP port of the TP group's rendezvous (tp_size > 1)
 
     @classmethod
     def create(cls, tp_size: int) -> "PortArgs":
@@ -145,6 +146,7 @@ class PortArgs:
             model_to_router=addr("model_to_router"),
             router_to_detokenizer=addr("router_to_detokenizer"),
             detokenizer_to_tokenizer=addr("detokenizer_to_tokenizer"),
+            dist_init_port=free_port() if tp_size > 1 else None,
         )
 
 

@@ -28,7 +28,10 @@ def configure_logging(level: str, process_name: str) -> None:
     )
 
 
-def become_child_process(parent_pid: int) -> None:
+_PR_SET_NAME = 15
+
+
+def become_child_process(parent_pid: int, name: str = "") -> None:
     """Set up a child of the launcher: die with the parent, leave Ctrl-C to the parent.
 
     Ctrl-C reaches the whole process group; the launcher alone handles it and stops the children
@@ -40,6 +43,8 @@ def become_child_process(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if name:  # what `ps -o comm` and `top` show (at most 15 bytes)
+            libc.prctl(_PR_SET_NAME, ("srt-" + name.replace(" ", "-")).encode()[:15])
 
     def watch() -> None:
         while True:
@@ -73,7 +78,7 @@ def start_child(parent_pid: int, ready: Any, log_level: str, name: str,
                 build: Callable[[], T], info: Callable[[T], dict[str, Any]] = lambda _: {}) -> T:
     """The ready handshake of a child process: set it up, build its main object, then report
     ("ready", info(obj)) on the pipe, or ("error", traceback) and exit 1 if building failed."""
-    become_child_process(parent_pid)
+    become_child_process(parent_pid, name)
     configure_logging(log_level, name)
     try:
         obj = build()

@@ -21,16 +21,6 @@ def _tree(pid: int) -> list[psutil.Process]:
     return [parent, *parent.children(recursive=True)]
 
 
-def _find_child(procs: list[psutil.Process], needle: str) -> psutil.Process:
-    for p in procs:
-        try:
-            if needle in " ".join(p.cmdline()):
-                return p
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"no process matching {needle!r}")
-
-
 def _all_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     _, alive = psutil.wait_procs(procs, timeout=timeout)
     return alive
@@ -53,9 +43,10 @@ def _children_by_pid(srv: ServerProcess) -> list[psutil.Process]:
 def test_killing_model_process_brings_server_down(small_server: ServerProcess) -> None:
     srv = small_server
     procs = _children_by_pid(srv)
-    # The model process is the child that loaded torch: the one with the largest memory.
-    children = [p for p in procs[1:] if "resource_tracker" not in " ".join(p.cmdline())]
-    model = max(children, key=lambda p: p.memory_info().rss)
+    # The children name themselves (what `ps -o comm` shows).
+    names = {p.name() for p in procs[1:]}
+    assert {"srt-model-tp0", "srt-router", "srt-detokenizer"} <= names, names
+    model = next(p for p in procs[1:] if p.name() == "srt-model-tp0")
     start = time.monotonic()
     model.send_signal(signal.SIGKILL)
     code = srv.proc.wait(30)

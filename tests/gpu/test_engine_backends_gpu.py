@@ -29,11 +29,9 @@ class Engine:
     """One model process's ModelRpcServer, stepped in this process."""
 
     def __init__(self, model_dir: str, backend: str, dtype: str) -> None:
-        from srt.layers import parallel_state
         from srt.managers.router.model_rpc import ModelRpcServer
         from srt.server_args import ServerArgs
 
-        parallel_state.init_tp_group(0, 1)
         args = ServerArgs(model_path=model_dir, tokenizer_path=model_dir, device="cuda",
                           dtype=dtype, attention_backend=backend, max_total_tokens=32768,
                           random_seed=0)

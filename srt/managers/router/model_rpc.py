@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from srt.layers import parallel_state
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.sampler import sample
 from srt.managers.io_struct import (
@@ -67,13 +68,13 @@ class TokenRatio:
 
 
 class ModelRpcServer:
-    def __init__(self, args: ServerArgs, tp_rank: int) -> None:
+    def __init__(self, args: ServerArgs, tp_rank: int, dist_init_port: int | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.args = args
         self.tp_rank = tp_rank
         self.config = ModelConfig.load(args.model_path, args.context_length)
-        self.runner = ModelRunner(args, self.config, tp_rank)
+        self.runner = ModelRunner(args, self.config, tp_rank, dist_init_port)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
         self.pool = self.runner.token_to_kv_pool
         self.req_pool = self.runner.req_to_token_pool
@@ -172,6 +173,13 @@ class ModelRpcServer:
             "dtype": info.dtype,
             "attention_backend": info.attention_backend,
             "context_length": self.config.context_len,
+            "tp_size": self.args.tp_size,
+            # Each rank holds this many tokens of KV for its own heads.
+            "kv_pool_per_rank": {
+                "tokens": info.max_total_num_tokens,
+                "kv_heads": self.runner.model_kv_heads(),
+                "gb": round(info.kv_gb, 4),
+            },
         }
 
     # ------------------------------------------------------------------ fill
@@ -345,6 +353,9 @@ class ModelRpcServer:
             batch, logits.shape[-1], dev, [self._stop_ids(r) for r in batch]
         )
         ids = sample(logits, info, self.runner.sampler_generator)
+        # Rank 0 samples for all: ranks hold bitwise-equal logits and generators, but one
+        # small broadcast makes it impossible for their schedules to drift apart.
+        ids = parallel_state.broadcast_from_first(ids)
         return ids.tolist()  # the one device-to-host copy of the step
 
     def _stop_ids(self, req: Req) -> set[int]:
@@ -478,15 +489,13 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, parent_pid: in
     """Entry of one TP rank's process: build everything, report ready (or the traceback), loop."""
     import zmq
 
-    from srt.layers import parallel_state
     from srt.managers.comm import PullSocket, PushSocket
     from srt.utils import start_child
 
     sockets: list[Any] = []
 
     def build() -> ModelRpcServer:
-        parallel_state.init_tp_group(tp_rank, args.tp_size)
-        server = ModelRpcServer(args, tp_rank)
+        server = ModelRpcServer(args, tp_rank, ports.dist_init_port)
         ctx = zmq.Context()
         sockets.append(PullSocket(ctx, ports.router_to_model[tp_rank]))
         sockets.append(PushSocket(ctx, ports.model_to_router) if tp_rank == 0 else None)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from srt.layers import parallel_state
 from srt.layers.attention import create_attention_backend, resolve_backend_name
 from srt.layers.forward_batch import ForwardBatch, forward_context
 from srt.layers.radix_attention import RadixAttention
@@ -58,14 +59,22 @@ def resolve_dtype(name: str, config_dtype: str | None, device: torch.device) -> 
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, config: ModelConfig, tp_rank: int) -> None:
+    def __init__(self, args: ServerArgs, config: ModelConfig, tp_rank: int,
+                 dist_init_port: int | None = None) -> None:
         self.args = args
         self.config = config
         self.tp_rank = tp_rank
         self.device = resolve_device(args.device)
         if self.device.type == "cuda":
+            visible = torch.cuda.device_count()
+            if args.tp_size > visible:
+                raise RuntimeError(
+                    f"--tp-size {args.tp_size} needs {args.tp_size} GPUs (one per rank) but "
+                    f"{visible} are visible"
+                )
             self.device = torch.device("cuda", tp_rank)
             torch.cuda.set_device(self.device)
+        parallel_state.init_tp_group(tp_rank, args.tp_size, self.device, dist_init_port)
         self.dtype = resolve_dtype(args.dtype, config.torch_dtype, self.device)
         torch.manual_seed(args.random_seed or 0)
         self.model = self._load_model()
@@ -147,7 +156,8 @@ class ModelRunner:
             budget = total * frac - (total - free)
         else:
             budget = min(frac * _mem_available(), _CPU_DEFAULT_MAX_TOKENS * bytes_per_token)
-        tokens = int(budget // bytes_per_token)
+        # Every rank must make the same scheduling decisions: all take the smallest pool.
+        tokens = parallel_state.min_over_ranks(int(budget // bytes_per_token), self.device)
         if tokens < 16:
             raise RuntimeError(
                 f"not enough memory for the KV cache ({budget / 1e9:.2f} GB left after the "

@@ -1,0 +1,100 @@
+"""--tp-size N on the CPU (gloo): the same greedy tokens as one rank, KV heads split per rank,
+clear refusals, and a dead rank brings the server down."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.conftest import BASE_ARGS, REPO, ServerProcess
+from tests.random_models import save_random_llama
+
+PROMPTS = [[5 + i, 17, 99, 3, 42 + i, 7, 250, 31, 64, 11][: 3 + i] for i in range(8)]
+GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def llama_4l(tmp_path_factory: Any) -> str:
+    return save_random_llama(str(tmp_path_factory.mktemp("llama_tp")), num_hidden_layers=4,
+                             hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                             num_key_value_heads=4)
+
+
+def _serve(args: list[str]) -> ServerProcess:
+    return ServerProcess([*args, "--device", "cpu", "--dtype", "float32",
+                          "--random-seed", "0"]).start()
+
+
+def _greedy(srv: ServerProcess, prompts: list[list[int]], params: dict[str, Any]) -> list[Any]:
+    return [r["output_ids"] for r in
+            srv.generate({"input_ids": prompts, "sampling_params": params})]
+
+
+def test_tp2_equals_tp1_on_random_llama(llama_4l: str) -> None:
+    outs, pools = {}, {}
+    for tp in (1, 2):
+        srv = _serve(["--model-path", llama_4l, "--tp-size", str(tp), "--max-total-tokens",
+                      "2048"])
+        try:
+            outs[tp] = _greedy(srv, PROMPTS, GREEDY)
+            pools[tp] = srv.server_info()["kv_pool_per_rank"]
+            srv.assert_kv_invariant()
+        finally:
+            srv.stop()
+    assert outs[2] == outs[1]
+    assert pools[1]["kv_heads"] == 4 and pools[2]["kv_heads"] == 2
+    assert pools[1]["tokens"] == pools[2]["tokens"] == 2048
+
+
+def test_smollm2_tp3_equals_tp1(server: Any, smollm2_tokenizer: Any) -> None:
+    prompts = [smollm2_tokenizer.encode(t) for t in
+               ("The capital of France is", "def add(a, b):", "Three colors:")]
+    params = {**GREEDY, "max_new_tokens": 12}
+    reference = _greedy(server, prompts, params)
+    srv = ServerProcess([*BASE_ARGS, "--tp-size", "3", "--max-total-tokens", "2048"]).start()
+    try:
+        assert _greedy(srv, prompts, params) == reference
+        info = srv.server_info()
+        assert info["tp_size"] == 3 and info["kv_pool_per_rank"]["kv_heads"] == 1
+        srv.assert_kv_invariant()
+    finally:
+        srv.stop()
+
+
+def test_tp_size_not_dividing_heads_is_refused(smollm2_dir: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "srt.server", "--tp-size", "2", "--device", "cpu", "--port", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
+    assert proc.returncode != 0
+    assert "--tp-size 2 does not divide the model's 9 attention heads" in proc.stderr
+
+
+def _named(pid: int, name: str) -> psutil.Process:
+    for p in psutil.Process(pid).children(recursive=True):
+        if p.name() == name:
+            return p
+    raise AssertionError(f"no child process named {name}")
+
+
+def test_killing_rank1_brings_server_down(llama_4l: str) -> None:
+    srv = _serve(["--model-path", llama_4l, "--tp-size", "2", "--max-total-tokens", "512"])
+    try:
+        procs = [psutil.Process(srv.proc.pid), *psutil.Process(srv.proc.pid).children(True)]
+        start = time.monotonic()
+        _named(srv.proc.pid, "srt-model-tp1").send_signal(signal.SIGKILL)
+        code = srv.proc.wait(30)
+        assert code != 0 and time.monotonic() - start < 30
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        assert alive == []
+        assert "model process (TP rank 1) died" in srv.log()
+    finally:
+        srv.stop()
