@@ -94,7 +94,7 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param is self.bias:
-            param.data.copy_(loaded)
+            param.data.copy_(loaded[:])
             return
         n = self.in_per_rank
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))

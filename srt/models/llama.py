@@ -130,7 +130,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(fb.input_ids, fb.positions)
         return self.logits_processor(hidden, self.lm_head_weight(), fb)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """weights: (checkpoint name, tensor or CheckpointTensor); each layer's loader reads
+        only its rank's shard."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -151,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
                 module = self.get_submodule(name.rsplit(".", 1)[0])
                 loader = getattr(module, "weight_loader", None)
                 if loader is None:
-                    params[name].data.copy_(tensor)
+                    params[name].data.copy_(tensor[:])
                 else:
                     loader(params[name], tensor)
                 loaded.add(name)

@@ -6,7 +6,7 @@ import glob
 import logging
 import os
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -14,8 +14,26 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def iterate_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every *.safetensors file of a directory, lazily per tensor."""
+class CheckpointTensor:
+    """A tensor of the checkpoint not yet read: `narrow` and slicing read only the part asked
+    for, so a tensor-parallel rank never holds more than its shard of a weight."""
+
+    def __init__(self, sl: Any) -> None:
+        self._slice = sl
+        self.shape = tuple(sl.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        return self._slice[key]
+
+
+def iterate_safetensors(path: str) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Yield (name, CheckpointTensor) from every *.safetensors file of a directory. Weight
+    loaders take what they need with `narrow` or slicing (`t[:]` reads it all)."""
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -33,7 +51,7 @@ def iterate_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for f in files:
         with safe_open(f, framework="pt") as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
+                yield name, CheckpointTensor(sf.get_slice(name))
                 bar.update(1)
     bar.close()
 
