@@ -54,8 +54,9 @@ def test_tp2_equals_tp1_on_random_llama(llama_4l: str) -> None:
 
 
 def test_smollm2_tp3_equals_tp1(server: Any, smollm2_tokenizer: Any) -> None:
-    prompts = [smollm2_tokenizer.encode(t) for t in
-               ("The capital of France is", "def add(a, b):", "Three colors:")]
+    prompts = [smollm2_tokenizer.encode(t) for t in (
+        "The capital of France is", "def add(a, b):", "Three colors:", "Once upon a time",
+        "The best way to learn", "Water boils at", "My favourite book is", "In 1969,")]
     params = {**GREEDY, "max_new_tokens": 12}
     reference = _greedy(server, prompts, params)
     srv = ServerProcess([*BASE_ARGS, "--tp-size", "3", "--max-total-tokens", "2048"]).start()
