@@ -10,7 +10,7 @@ stop everything.
 This process never imports the model runner, layers, models or kernels.
 """
 
-import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -123,7 +123,13 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    from srt.managers.openai_api import OpenAIAdapter
     from srt.managers.tokenizer_manager import RequestError
+
+    chat_template = None
+    if args.chat_template:
+        with open(args.chat_template) as f:
+            chat_template = f.read()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -173,6 +179,33 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
             return {"success": True, "message": out.message}
         return _error(409, out.message, None, "busy")
 
+    openai = OpenAIAdapter(tm, args.served_model_name or str(args.model_path), chat_template)
+
+    @app.get("/v1/models")
+    async def v1_models() -> Any:
+        return openai.models()
+
+    @app.post("/v1/completions")
+    async def v1_completions(request: Request) -> Any:
+        parsed, c = openai.parse_completion(await read_json(request))
+        return await _openai_answer(request, parsed, c, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def v1_chat_completions(request: Request) -> Any:
+        parsed, c = openai.parse_chat(await read_json(request))
+        return await _openai_answer(request, parsed, c, chat=True)
+
+    async def _openai_answer(request: Request, parsed: Any, c: dict[str, Any], chat: bool) -> Any:
+        tm.submit(parsed)
+        if c["stream"]:
+            return StreamingResponse(openai.stream(parsed, c, chat, request.is_disconnected),
+                                     media_type="text/event-stream")
+        answer = await (openai.chat if chat else openai.completion)(
+            parsed, c, request.is_disconnected)
+        if answer is None:
+            return JSONResponse({"status": "client disconnected"}, status_code=499)
+        return answer
+
     @app.post("/generate")
     async def generate(request: Request) -> Any:
         parsed = tm.parse_generate_request(await read_json(request))
@@ -182,58 +215,20 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
         return await _collect(request, parsed)
 
     async def _collect(request: Request, parsed: Any) -> Any:
-        async def one(rid: str) -> dict[str, Any]:
-            last: dict[str, Any] = {}
-            async for last in tm.stream_results(rid):
-                pass
-            return last
-
-        tasks = [asyncio.ensure_future(one(r.rid)) for r in parsed.reqs]
-        gathered = asyncio.gather(*tasks)
-        try:
-            while not gathered.done():
-                await asyncio.wait({gathered}, timeout=0.25)
-                if not gathered.done() and await request.is_disconnected():
-                    gathered.cancel()
-                    for r in parsed.reqs:
-                        tm.abort(r.rid)
-                    return JSONResponse({"status": "client disconnected"}, status_code=499)
-        finally:
-            for r in parsed.reqs:
-                tm.abort(r.rid)  # no-op for finished requests
-        results = gathered.result()
+        results = await tm.wait_all(parsed, request.is_disconnected)
+        if results is None:
+            return JSONResponse({"status": "client disconnected"}, status_code=499)
         return results if parsed.is_batch else results[0]
 
     async def _sse(request: Request, parsed: Any) -> AsyncIterator[bytes]:
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(rid: str, index: int) -> None:
-            async for item in tm.stream_results(rid):
+        # aclosing: when the client goes away this generator is closed, and the inner one must
+        # be closed (aborting its requests) now, not whenever it is garbage-collected.
+        async with contextlib.aclosing(tm.stream_all(parsed, request.is_disconnected)) as items:
+            async for index, item in items:
                 if parsed.is_batch:
                     item["index"] = index
-                await queue.put(item)
-
-        tasks = [asyncio.ensure_future(pump(r.rid, r.index)) for r in parsed.reqs]
-        done_count = 0
-        try:
-            while done_count < len(tasks):
-                try:
-                    item = await asyncio.wait_for(queue.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    if all(t.done() for t in tasks) and queue.empty():
-                        break
-                    continue
-                if item["meta_info"]["finish_reason"] is not None:
-                    done_count += 1
                 yield f"data: {json.dumps(item, ensure_ascii=False)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
-        finally:
-            for t in tasks:
-                t.cancel()
-            for r in parsed.reqs:
-                tm.abort(r.rid)
+        yield b"data: [DONE]\n\n"
 
     return app
 

@@ -62,6 +62,10 @@ class ServerArgs:
     disable_radix_cache: bool = _f(False, "Turn off prefix matching (same code path).")
     random_seed: int | None = _f(None, "Seed of the sampler (default: random).")
     stream_interval: int = _f(1, "Tokens per streamed chunk.")
+    served_model_name: str | None = _f(None, "Model name of the OpenAI API (default: the "
+                                       "model path).")
+    chat_template: str | None = _f(None, "A Jinja chat template file to use instead of the "
+                                   "tokenizer's.")
     log_level: str = _f("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_stats_interval: float = _f(5.0, "Seconds between stats lines while busy.")
 
@@ -72,6 +76,7 @@ class ServerArgs:
             self,
             random_seed=seed,
             tokenizer_path=self.tokenizer_path or self.model_path,
+            served_model_name=self.served_model_name or self.model_path,
         )
         args.validate()
         return args

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import zmq
 import zmq.asyncio
@@ -293,6 +293,59 @@ class TokenizerManager:
         finally:
             # Finished, or the consumer went away (client disconnect): never leave state behind.
             self.abort(rid)
+
+    async def wait_all(self, parsed: ParsedRequest,
+                       is_disconnected: Callable[[], Awaitable[bool]]) -> list[dict[str, Any]] | None:
+        """Final results of every sample in order; None (all aborted) if the client left."""
+        async def one(rid: str) -> dict[str, Any]:
+            last: dict[str, Any] = {}
+            async for last in self.stream_results(rid):
+                pass
+            return last
+
+        gathered = asyncio.gather(*(one(r.rid) for r in parsed.reqs))
+        try:
+            while not gathered.done():
+                await asyncio.wait({gathered}, timeout=0.25)
+                if not gathered.done() and await is_disconnected():
+                    gathered.cancel()
+                    return None
+            return gathered.result()
+        finally:
+            for r in parsed.reqs:
+                self.abort(r.rid)  # a no-op for finished requests
+
+    async def stream_all(self, parsed: ParsedRequest,
+                         is_disconnected: Callable[[], Awaitable[bool]]
+                         ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """(answer index, cumulative result) as results arrive, until every sample finished or
+        the client left (then everything is aborted)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(rid: str, index: int) -> None:
+            async for item in self.stream_results(rid):
+                await queue.put((index, item))
+
+        tasks = [asyncio.ensure_future(pump(r.rid, r.index)) for r in parsed.reqs]
+        done = 0
+        try:
+            while done < len(tasks):
+                try:
+                    index, item = await asyncio.wait_for(queue.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    if await is_disconnected():
+                        return
+                    if all(t.done() for t in tasks) and queue.empty():
+                        return
+                    continue
+                if item["meta_info"]["finish_reason"] is not None:
+                    done += 1
+                yield index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for r in parsed.reqs:
+                self.abort(r.rid)
 
     @staticmethod
     def result_dict(rid: str, out: StrOut, state: ReqState) -> dict[str, Any]:
