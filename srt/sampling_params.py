@@ -47,7 +47,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Temperatures this small would overflow logits / t: they mean greedy.
+        return self.temperature < 1e-5 or self.top_k == 1
 
     @property
     def uses_penalties(self) -> bool:

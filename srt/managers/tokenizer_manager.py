@@ -8,6 +8,7 @@ the detokenizer and are routed to each request's queue by rid.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -55,11 +56,14 @@ class ModelLimits:
 
 @dataclass
 class SingleRequest:
-    rid: str
+    rid: str  # the client's id, reported back in meta_info
     input_ids: list[int]
     params: SamplingParams
     index: int  # position in the answer list
-    group: str | None
+    group: str | None  # internal id shared by the samples of one prompt (n > 1)
+    # Internal id on the wire: unique per submission, so a client reusing a rid right after an
+    # abort can never be confused with the request being aborted.
+    wire_rid: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 @dataclass
@@ -71,6 +75,7 @@ class ParsedRequest:
 
 @dataclass
 class ReqState:
+    user_rid: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
@@ -88,7 +93,8 @@ class TokenizerManager:
         self.to_router = PushSocket(self.sync_ctx, ports.tokenizer_to_router)
         self.ports = ports
         self.inbox: AsyncPullSocket | None = None
-        self.states: dict[str, ReqState] = {}
+        self.states: dict[str, ReqState] = {}  # by wire rid
+        self.user_rids: set[str] = set()  # client rids of requests in flight
         self.control_waiters: dict[str, asyncio.Future] = {}
         self._loop_task: asyncio.Task | None = None
 
@@ -161,12 +167,17 @@ class TokenizerManager:
             self._check_lengths(ids, p)
             if p.n == 1:
                 reqs.append(SingleRequest(rid, ids, p, len(reqs), None))
-            else:
-                for k in range(p.n):
-                    reqs.append(SingleRequest(f"{rid}-{k}", ids, p, len(reqs), rid))
+                continue
+            group = uuid.uuid4().hex
+            for k in range(p.n):
+                # each sample its own seed, or they would all draw the same tokens
+                pk = p if p.seed is None else dataclasses.replace(p, seed=(p.seed + k) % 2**63)
+                reqs.append(SingleRequest(f"{rid}-{k}", ids, pk, len(reqs), group))
+        seen: set[str] = set()
         for r in reqs:
-            if r.rid in self.states:
+            if r.rid in self.user_rids or r.rid in seen:
                 raise RequestError(f"rid {r.rid!r} is already in use", "rid", "duplicate_rid")
+            seen.add(r.rid)
         is_batch = is_batch or any(p.n > 1 for p in params)
         return ParsedRequest(reqs, stream, is_batch)
 
@@ -260,7 +271,7 @@ class TokenizerManager:
         """Register every sample's state, then send them to the router."""
         msgs = [
             TokenizedGenerateReq(
-                rid=r.rid,
+                rid=r.wire_rid,
                 input_ids=r.input_ids,
                 sampling_params=r.params.to_dict(),
                 stream=parsed.stream,
@@ -271,12 +282,16 @@ class TokenizerManager:
         self.to_router.send_all(msgs)
         # No await in between: results cannot arrive before the states exist.
         for r in parsed.reqs:
-            self.states[r.rid] = ReqState()
+            self.states[r.wire_rid] = ReqState(r.rid)
+            self.user_rids.add(r.rid)
 
     def abort(self, rid: str, message: str = "aborted: the client disconnected") -> None:
         """Forget a request here and stop it in the model process."""
         state = self.states.pop(rid, None)
-        if state is not None and not state.finished:
+        if state is None:
+            return
+        self.user_rids.discard(state.user_rid)
+        if not state.finished:
             self.to_router.send(AbortReq(rid, message))
 
     async def stream_results(self, rid: str) -> AsyncIterator[dict[str, Any]]:
@@ -287,7 +302,7 @@ class TokenizerManager:
                 out: StrOut = await state.queue.get()
                 state.output_ids.extend(out.new_ids)
                 state.finished = out.finish_reason is not None
-                yield self.result_dict(rid, out, state)
+                yield self.result_dict(state.user_rid, out, state)
                 if state.finished:
                     return
         finally:
@@ -303,7 +318,7 @@ class TokenizerManager:
                 pass
             return last
 
-        gathered = asyncio.gather(*(one(r.rid) for r in parsed.reqs))
+        gathered = asyncio.gather(*(one(r.wire_rid) for r in parsed.reqs))
         try:
             while not gathered.done():
                 await asyncio.wait({gathered}, timeout=0.25)
@@ -313,7 +328,7 @@ class TokenizerManager:
             return gathered.result()
         finally:
             for r in parsed.reqs:
-                self.abort(r.rid)  # a no-op for finished requests
+                self.abort(r.wire_rid)  # a no-op for finished requests
 
     async def stream_all(self, parsed: ParsedRequest,
                          is_disconnected: Callable[[], Awaitable[bool]]
@@ -326,7 +341,7 @@ class TokenizerManager:
             async for item in self.stream_results(rid):
                 await queue.put((index, item))
 
-        tasks = [asyncio.ensure_future(pump(r.rid, r.index)) for r in parsed.reqs]
+        tasks = [asyncio.ensure_future(pump(r.wire_rid, r.index)) for r in parsed.reqs]
         done = 0
         try:
             while done < len(tasks):
@@ -345,7 +360,7 @@ class TokenizerManager:
             for t in tasks:
                 t.cancel()
             for r in parsed.reqs:
-                self.abort(r.rid)
+                self.abort(r.wire_rid)
 
     @staticmethod
     def result_dict(rid: str, out: StrOut, state: ReqState) -> dict[str, Any]:

@@ -215,8 +215,9 @@ class ModelRpcServer:
             ):
                 break
             batch.append(r)
-            if r.group is not None:
-                groups.add(r.group)
+            if r.group is not None and not self.tree.disable and \
+                    len(r.prefix_indices) < len(r.origin_input_ids) - 1:
+                groups.add(r.group)  # this batch computes the group's prompt
         if batch:
             chosen = set(map(id, batch))
             self.waiting = [r for r in self.waiting if id(r) not in chosen]
