@@ -13,7 +13,6 @@ import argparse
 import itertools
 import json
 
-import torch
 
 import srt.layers.attention.triton_ops.decode_attention as dec
 import srt.layers.attention.triton_ops.extend_attention as ext
