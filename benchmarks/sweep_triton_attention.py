@@ -13,7 +13,6 @@ import argparse
 import itertools
 import json
 
-
 import srt.layers.attention.triton_ops.decode_attention as dec
 import srt.layers.attention.triton_ops.extend_attention as ext
 from benchmarks.bench_attention import Case, copy_bandwidth, graph_time_ms, make_runner
