@@ -14,95 +14,16 @@ import contextlib
 import dataclasses
 import json
 import logging
-import multiprocessing as mp
 import os
-import shutil
 import signal
 import sys
-import threading
-import time
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
-from srt.server_args import PortArgs, ServerArgs
+from srt.launcher import Child, Supervisor, prepare_args, start_runtime
+from srt.server_args import ServerArgs
 from srt.utils import configure_logging, describe_exit
 
 logger = logging.getLogger("srt.server")
-
-
-@dataclass
-class Child:
-    name: str
-    process: mp.process.BaseProcess
-    ready: Connection
-
-
-class Supervisor:
-    """Owns the child processes: start, wait for ready, watch, stop."""
-
-    def __init__(self) -> None:
-        self.children: list[Child] = []
-        self.stopping = False
-        self.all_ready = False
-
-    def start(self, name: str, target: Callable[..., None], *args: Any) -> None:
-        ctx = mp.get_context("spawn")
-        reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=target, args=(*args, os.getpid(), writer), name=name,
-                           daemon=False)
-        proc.start()
-        writer.close()
-        self.children.append(Child(name, proc, reader))
-
-    def wait_ready(self) -> dict[str, dict[str, Any]]:
-        """Block until every child reported ready; raise with the child's traceback otherwise."""
-        infos: dict[str, dict[str, Any]] = {}
-        pending = list(self.children)
-        while pending:
-            for child in list(pending):
-                if child.ready.poll(0.1):
-                    try:
-                        status, payload = child.ready.recv()
-                    except EOFError:
-                        status, payload = "error", "it exited before reporting ready"
-                    if status != "ready":
-                        raise RuntimeError(f"the {child.name} failed to start:\n{payload}")
-                    infos[child.name] = payload
-                    pending.remove(child)
-                elif not child.process.is_alive():
-                    raise RuntimeError(
-                        f"the {child.name} died during start-up "
-                        f"({describe_exit(child.process.exitcode)})"
-                    )
-        self.all_ready = True
-        return infos
-
-    def alive(self) -> bool:
-        return all(c.process.is_alive() for c in self.children)
-
-    def watch(self, on_death: Callable[[Child], None], interval: float = 0.5) -> None:
-        def run() -> None:
-            while not self.stopping:
-                for child in self.children:
-                    if not child.process.is_alive() and not self.stopping:
-                        on_death(child)
-                        return
-                time.sleep(interval)
-
-        threading.Thread(target=run, daemon=True, name="supervisor").start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self.stopping = True
-        for c in self.children:
-            if c.process.is_alive():
-                c.process.terminate()
-        deadline = time.monotonic() + timeout
-        for c in self.children:
-            c.process.join(max(0.0, deadline - time.monotonic()))
-            if c.process.is_alive():
-                c.process.kill()
-                c.process.join(1.0)
 
 
 def _error(status: int, message: str, param: str | None, code: str) -> Any:
@@ -236,50 +157,25 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
 def launch_server(args: ServerArgs) -> int:
     """Start everything and serve until stopped. Returns the process exit code."""
     configure_logging(args.log_level, "http")
-    if args.model_path is None:
-        from srt.default_model import ensure_default_model
-
-        args = dataclasses.replace(args, model_path=ensure_default_model())
-    args = args.resolve()
-    from srt.model_config import check_tp_size
-
     try:
-        check_tp_size(args.model_path, args.tp_size)
+        args = prepare_args(args)
     except (OSError, ValueError) as e:
         logger.error("%s", e)
         return 2
-    logger.info("starting srt: model %s, tp_size %d", args.model_path, args.tp_size)
-
-    from srt.managers.detokenizer_manager import run_detokenizer_process
-    from srt.managers.router.manager import run_router_process
-    from srt.managers.router.model_rpc import run_model_process
-    from srt.managers.tokenizer_manager import ModelLimits, TokenizerManager
-
-    ports = PortArgs.create(args.tp_size)
-    supervisor = Supervisor()
     try:
-        for rank in range(args.tp_size):
-            supervisor.start(f"model process (TP rank {rank})", run_model_process, args, ports,
-                             rank)
-        supervisor.start("router process", run_router_process, args, ports)
-        supervisor.start("detokenizer process", run_detokenizer_process, args, ports)
-        infos = supervisor.wait_ready()
+        rt = start_runtime(args)
     except (RuntimeError, KeyboardInterrupt) as e:
         logger.error("%s", e)
-        supervisor.stop()
-        shutil.rmtree(ports.ipc_dir, ignore_errors=True)
         return 1
+    supervisor, ports = rt.supervisor, rt.ports
+    from srt.managers.tokenizer_manager import TokenizerManager
 
-    model = infos["model process (TP rank 0)"]
-    limits = ModelLimits(model["context_length"], model["vocab_size"],
-                         model["max_total_num_tokens"])
-    tm = TokenizerManager(args, ports, limits)
+    tm = TokenizerManager(args, ports, rt.limits)
 
     def on_death(child: Child) -> None:
         logger.error("the %s died (%s); shutting the server down", child.name,
                      describe_exit(child.process.exitcode))
-        supervisor.stop()
-        shutil.rmtree(ports.ipc_dir, ignore_errors=True)
+        rt.stop()
         logging.shutdown()
         os._exit(1)
 
@@ -298,8 +194,7 @@ def launch_server(args: ServerArgs) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                     timeout_graceful_shutdown=3)
     finally:
-        supervisor.stop()
-        shutil.rmtree(ports.ipc_dir, ignore_errors=True)
+        rt.stop()
     logger.info("stopped")
     return 0
 

@@ -1,0 +1,161 @@
+"""Starting and supervising the router, model and detokenizer processes.
+
+Shared by the HTTP server (`srt.server`) and the in-process `srt.Engine`: both call
+`prepare_args` then `start_runtime`, and talk to the ring through a TokenizerManager. Children
+are spawned (never forked: CUDA and ZMQ do not survive a fork), report ready or their traceback
+over a pipe, and are stopped together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from srt.server_args import PortArgs, ServerArgs
+from srt.utils import describe_exit
+
+logger = logging.getLogger("srt.launcher")
+
+MODEL_RANK0 = "model process (TP rank 0)"
+
+
+@dataclass
+class Child:
+    name: str
+    process: mp.process.BaseProcess
+    ready: Connection
+
+
+class Supervisor:
+    """Owns the child processes: start, wait for ready, watch, stop."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self.stopping = False
+        self.all_ready = False
+
+    def start(self, name: str, target: Callable[..., None], *args: Any) -> None:
+        ctx = mp.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=target, args=(*args, os.getpid(), writer), name=name,
+                           daemon=False)
+        proc.start()
+        writer.close()
+        self.children.append(Child(name, proc, reader))
+
+    def wait_ready(self) -> dict[str, dict[str, Any]]:
+        """Block until every child reported ready; raise with the child's traceback otherwise."""
+        infos: dict[str, dict[str, Any]] = {}
+        pending = list(self.children)
+        while pending:
+            for child in list(pending):
+                if child.ready.poll(0.1):
+                    try:
+                        status, payload = child.ready.recv()
+                    except EOFError:
+                        status, payload = "error", "it exited before reporting ready"
+                    if status != "ready":
+                        raise RuntimeError(f"the {child.name} failed to start:\n{payload}")
+                    infos[child.name] = payload
+                    pending.remove(child)
+                elif not child.process.is_alive():
+                    raise RuntimeError(
+                        f"the {child.name} died during start-up "
+                        f"({describe_exit(child.process.exitcode)})"
+                    )
+        self.all_ready = True
+        return infos
+
+    def alive(self) -> bool:
+        return all(c.process.is_alive() for c in self.children)
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if not c.process.is_alive()), None)
+
+    def watch(self, on_death: Callable[[Child], None], interval: float = 0.5) -> None:
+        def run() -> None:
+            while not self.stopping:
+                for child in self.children:
+                    if not child.process.is_alive() and not self.stopping:
+                        on_death(child)
+                        return
+                time.sleep(interval)
+
+        threading.Thread(target=run, daemon=True, name="supervisor").start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.stopping = True
+        for c in self.children:
+            if c.process.is_alive():
+                c.process.terminate()
+        deadline = time.monotonic() + timeout
+        for c in self.children:
+            c.process.join(max(0.0, deadline - time.monotonic()))
+            if c.process.is_alive():
+                c.process.kill()
+                c.process.join(1.0)
+
+
+@dataclass
+class Runtime:
+    """The started ring minus its front end: what a TokenizerManager needs to talk to it."""
+
+    args: ServerArgs
+    ports: PortArgs
+    supervisor: Supervisor
+    limits: Any  # srt.managers.tokenizer_manager.ModelLimits
+    model_info: dict[str, Any]
+
+    def stop(self) -> None:
+        self.supervisor.stop()
+        shutil.rmtree(self.ports.ipc_dir, ignore_errors=True)
+
+
+def prepare_args(args: ServerArgs) -> ServerArgs:
+    """Fill in the default model, resolve and validate; ValueError/OSError for what cannot run
+    (checked from config.json before any process starts)."""
+    if args.model_path is None:
+        from srt.default_model import ensure_default_model
+
+        args = dataclasses.replace(args, model_path=ensure_default_model())
+    args = args.resolve()
+    from srt.model_config import check_tp_size
+
+    check_tp_size(args.model_path, args.tp_size)
+    return args
+
+
+def start_runtime(args: ServerArgs) -> Runtime:
+    """Spawn one model process per TP rank, the router and the detokenizer; return once all are
+    ready. On failure everything started is stopped and RuntimeError says which child and why."""
+    from srt.managers.detokenizer_manager import run_detokenizer_process
+    from srt.managers.router.manager import run_router_process
+    from srt.managers.router.model_rpc import run_model_process
+    from srt.managers.tokenizer_manager import ModelLimits
+
+    logger.info("starting srt: model %s, tp_size %d", args.model_path, args.tp_size)
+    ports = PortArgs.create(args.tp_size)
+    supervisor = Supervisor()
+    try:
+        for rank in range(args.tp_size):
+            supervisor.start(f"model process (TP rank {rank})", run_model_process, args, ports,
+                             rank)
+        supervisor.start("router process", run_router_process, args, ports)
+        supervisor.start("detokenizer process", run_detokenizer_process, args, ports)
+        infos = supervisor.wait_ready()
+    except BaseException:
+        supervisor.stop()
+        shutil.rmtree(ports.ipc_dir, ignore_errors=True)
+        raise
+    model = infos[MODEL_RANK0]
+    limits = ModelLimits(model["context_length"], model["vocab_size"],
+                         model["max_total_num_tokens"])
+    return Runtime(args, ports, supervisor, limits, model)
