@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from types import SimpleNamespace
@@ -21,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from benchmarks.common import copy_bandwidth, cuda_time_ms
 from srt.layers.attention import create_attention_backend
 from srt.layers.forward_batch import ForwardBatch, ForwardMode, forward_context
 from srt.layers.radix_attention import RadixAttention
@@ -29,21 +29,6 @@ from srt.memory_pool import ReqToTokenPool, TokenToKVPool
 H, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
 DEV = torch.device("cuda")
-
-
-def cuda_time_ms(fn: Callable[[], Any], warmup: int = 5, iters: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def graph_time_ms(fn: Callable[[], Any]) -> float | None:
@@ -64,15 +49,6 @@ def graph_time_ms(fn: Callable[[], Any]) -> float | None:
         torch.cuda.synchronize()
         return None
     return cuda_time_ms(graph.replay)
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 2 GiB device-to-device copy."""
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.float16, device=DEV).normal_()
-    dst = torch.empty_like(src)
-    ms = cuda_time_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / (ms / 1e3)
 
 
 def make_runner(max_reqs: int) -> Any:

@@ -60,6 +60,10 @@ class ServerArgs:
         1.0, "Scales the share of running requests' remaining tokens reserved at admission; "
         "larger admits fewer requests and retracts less.")
     disable_radix_cache: bool = _f(False, "Turn off prefix matching (same code path).")
+    disable_cuda_graph: bool = _f(False, "Run decode steps without CUDA graphs (GPU only; the "
+                                  "CPU never uses them).")
+    cuda_graph_max_bs: int = _f(256, "Largest decode batch captured in a CUDA graph; larger "
+                                "batches run without one.")
     random_seed: int | None = _f(None, "Seed of the sampler (default: random).")
     stream_interval: int = _f(1, "Tokens per streamed chunk.")
     served_model_name: str | None = _f(None, "Model name of the OpenAI API (default: the "
@@ -90,6 +94,8 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must be >= 16")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError("--cuda-graph-max-bs must be >= 1")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
         if self.schedule_conservativeness <= 0:

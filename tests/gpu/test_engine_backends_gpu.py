@@ -10,76 +10,18 @@ float32 (triton only: FlashInfer has no float32) the free-running streams must a
 
 from __future__ import annotations
 
-import itertools
 import random
 from typing import Any
 
 import pytest
 
+from tests.gpu.driver import NEW_TOKENS, ModelProcessDriver as Engine, first_diff, \
+    teacher_forced_agreement
 from tests.random_models import save_random_llama
 
 pytestmark = pytest.mark.gpu
 
-NEW_TOKENS = 64
 VOCAB = 2048
-_rids = itertools.count()
-
-
-class Engine:
-    """One model process's ModelRpcServer, stepped in this process."""
-
-    def __init__(self, model_dir: str, backend: str, dtype: str) -> None:
-        from srt.managers.router.model_rpc import ModelRpcServer
-        from srt.server_args import ServerArgs
-
-        args = ServerArgs(model_path=model_dir, tokenizer_path=model_dir, device="cuda",
-                          dtype=dtype, attention_backend=backend, max_total_tokens=32768,
-                          random_seed=0)
-        self.server = ModelRpcServer(args, 0)
-
-    def greedy(self, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
-        from srt.managers.io_struct import StepInput, TokenizedGenerateReq
-
-        rids = [f"r{next(_rids)}" for _ in prompts]
-        step = StepInput(reqs=[
-            TokenizedGenerateReq(rid, ids, {"temperature": 0.0, "max_new_tokens": n,
-                                            "ignore_eos": True})
-            for rid, ids, n in zip(rids, prompts, max_new)])
-        out: dict[str, list[int]] = {rid: [] for rid in rids}
-        while True:
-            res = self.server.step(step)
-            step = StepInput()
-            if res.token_out is not None:
-                for o in res.token_out.outs:
-                    out[o.rid].extend(o.new_ids)
-            if not res.has_work:
-                break
-        s = self.server
-        assert s.pool.available_size() + s.tree.evictable_size() == \
-            s.runner.max_total_num_tokens
-        return [out[r] for r in rids]
-
-
-def _first_diff(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def teacher_forced_agreement(engine: Engine, prompts: list[list[int]],
-                             ref: list[list[int]]) -> tuple[int, int]:
-    """Positions where the engine's greedy token equals the reference given the reference
-    prefix."""
-    same = 0
-    pos = [0] * len(prompts)
-    while True:
-        todo = [i for i in range(len(prompts)) if pos[i] < NEW_TOKENS]
-        if not todo:
-            return same, NEW_TOKENS * len(prompts)
-        outs = engine.greedy([prompts[i] + ref[i][:pos[i]] for i in todo],
-                             [NEW_TOKENS - pos[i] for i in todo])
-        for i, out in zip(todo, outs):
-            k = _first_diff(out, ref[i][pos[i]:])
-            same += k
-            pos[i] += k + 1  # the diverging position counts as a miss
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +49,7 @@ def test_bf16_backend_agrees_with_torch(backend: str, bf16_model: str,
     free_same = sum(sum(a == b for a, b in zip(o, r)) for o, r in zip(free, ref))
     same, total = teacher_forced_agreement(engine, prompts, ref)
     print(f"{backend} bf16: free-running {free_same}/{total} positions equal (first divergence "
-          f"at {[_first_diff(o, r) for o, r in zip(free, ref)]}); with the reference prefix "
+          f"at {[first_diff(o, r) for o, r in zip(free, ref)]}); with the reference prefix "
           f"{same}/{total}")
     assert same / total >= 0.95, f"{backend}: {same}/{total} positions equal"
 

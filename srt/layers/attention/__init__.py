@@ -5,6 +5,11 @@ store what it derives in `fb.attn_metadata`; `forward_extend` / `forward_decode`
 for one layer after `RadixAttention` has written this step's K/V into the pool at
 `fb.out_cache_loc`. Queries are `[tokens, heads, head_dim]`; the result has the same shape. A backend
 never changes the pools' bookkeeping and never touches the radix tree.
+
+CUDA graphs (DECODE only): `init_cuda_graph_capture(fb)` replaces `init_forward_metadata` while a
+graph of batch size `fb.batch_size` is captured, and `init_cuda_graph_replay(fb)` before each
+replay; whatever the captured kernels read must then live in buffers whose addresses never change,
+refreshed in place by the replay hook. A backend without these hooks runs without graphs.
 """
 
 from __future__ import annotations
@@ -30,6 +35,14 @@ _BACKENDS: dict[str, str] = {
 class AttentionBackend:
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         """Per-step preparation shared by all layers."""
+
+    supports_cuda_graph = False
+
+    def init_cuda_graph_capture(self, fb: "ForwardBatch") -> None:
+        raise NotImplementedError
+
+    def init_cuda_graph_replay(self, fb: "ForwardBatch") -> None:
+        raise NotImplementedError
 
     def forward_extend(
         self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", layer: "RadixAttention",

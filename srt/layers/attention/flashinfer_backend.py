@@ -64,14 +64,21 @@ class FlashInferAttnBackend(AttentionBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=decode_tensor_cores
         )
+        self.decode_tensor_cores = decode_tensor_cores
         self.last_page_len = torch.ones(
             runner.max_running_requests, dtype=torch.int32, device=self.device
         )
+        # CUDA graphs: one decode wrapper per captured batch size, all planning into the same
+        # fixed index buffers (graphs replay one at a time). Created on first capture.
+        self.max_kv_indices = runner.max_total_num_tokens + runner.max_running_requests + 1
+        self.graph_wrappers: dict[int, Any] = {}
+        self.graph_indptr: torch.Tensor | None = None
+        self.graph_indices: torch.Tensor | None = None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        indptr, indices = build_kv_indices(fb)
-        last = self.last_page_len[: fb.batch_size]
         if fb.forward_mode.is_extend():
+            indptr, indices = build_kv_indices(fb)
+            last = self.last_page_len[: fb.batch_size]
             qo_cpu = torch.zeros(fb.batch_size + 1, dtype=torch.int32)
             torch.cumsum(torch.tensor(fb.extend_lens_cpu, dtype=torch.int32), 0, out=qo_cpu[1:])
             self.prefill.plan(
@@ -81,10 +88,46 @@ class FlashInferAttnBackend(AttentionBackend):
                 q_data_type=self.dtype, kv_data_type=self.dtype,
             )
         else:
-            self.decode.plan(
-                indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, 1,
-                sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype,
-            )
+            self._plan_decode(self.decode, fb)
+            fb.attn_metadata = self.decode
+
+    def _plan_decode(self, wrapper: Any, fb: ForwardBatch) -> None:
+        indptr, indices = build_kv_indices(fb)
+        wrapper.plan(
+            indptr, indices, self.last_page_len[: fb.batch_size], self.num_heads,
+            self.num_kv_heads, self.head_dim, 1,
+            sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+        )
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    supports_cuda_graph = True
+
+    def init_cuda_graph_capture(self, fb: ForwardBatch) -> None:
+        import flashinfer
+
+        bs = fb.batch_size
+        if self.graph_indptr is None:
+            self.graph_indptr = torch.zeros(self.last_page_len.numel() + 1, dtype=torch.int32,
+                                            device=self.device)
+            self.graph_indices = torch.zeros(self.max_kv_indices, dtype=torch.int32,
+                                             device=self.device)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            use_tensor_cores=self.decode_tensor_cores,
+            paged_kv_indptr_buffer=self.graph_indptr[: bs + 1],
+            paged_kv_indices_buffer=self.graph_indices,
+            paged_kv_last_page_len_buffer=self.last_page_len[:bs],
+        )
+        self.graph_wrappers[bs] = wrapper
+        self._plan_decode(wrapper, fb)
+        fb.attn_metadata = wrapper
+
+    def init_cuda_graph_replay(self, fb: ForwardBatch) -> None:
+        # plan() copies this step's indptr/indices into the wrapper's fixed buffers.
+        wrapper = self.graph_wrappers[fb.batch_size]
+        self._plan_decode(wrapper, fb)
+        fb.attn_metadata = wrapper
 
     def _paged(self, fb: ForwardBatch, layer: RadixAttention) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
@@ -96,4 +139,4 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
-        return self.decode.run(q.contiguous(), self._paged(fb, layer))
+        return fb.attn_metadata.run(q.contiguous(), self._paged(fb, layer))

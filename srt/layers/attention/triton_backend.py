@@ -91,6 +91,19 @@ class TritonAttnBackend(AttentionBackend):
                 num_kv_splits=self._splits(fb.batch_size, max(fb.seq_lens_cpu, default=1))
             )
 
+    # ------------------------------------------------------------------ CUDA graphs
+
+    supports_cuda_graph = True
+
+    def init_cuda_graph_capture(self, fb: ForwardBatch) -> None:
+        # The split count is baked into the graph: take the one for the longest context, so any
+        # context fits (splits past its end are empty and cost one early return each).
+        fb.attn_metadata = TritonDecodeMetadata(num_kv_splits=self._splits(fb.batch_size, 1 << 30))
+
+    def init_cuda_graph_replay(self, fb: ForwardBatch) -> None:
+        # Lengths and rows are read from the graph's static input tensors; nothing to refresh.
+        self.init_cuda_graph_capture(fb)
+
     # ------------------------------------------------------------------ per layer
 
     def forward_extend(

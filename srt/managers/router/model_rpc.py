@@ -518,6 +518,8 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, parent_pid: in
             "device": info.device,
             "dtype": info.dtype,
             "attention_backend": info.attention_backend,
+            "weight_bytes_per_rank": server.runner.weight_bytes,
+            "cuda_graph": server.runner.graph_runner is not None,
         }
 
     server = start_child(parent_pid, ready, args.log_level, f"model tp{tp_rank}", build,

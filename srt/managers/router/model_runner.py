@@ -17,6 +17,7 @@ from srt.layers import parallel_state
 from srt.layers.attention import create_attention_backend, resolve_backend_name
 from srt.layers.forward_batch import ForwardBatch, forward_context
 from srt.layers.radix_attention import RadixAttention
+from srt.managers.router.cuda_graph_runner import CudaGraphRunner
 from srt.memory_pool import ReqToTokenPool, TokenToKVPool
 from srt.model_config import ModelConfig
 from srt.models.loader import init_dummy_weights, iterate_safetensors
@@ -103,6 +104,17 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(self.backend_name, runner=self)
         self.sampler_generator = torch.Generator(device=self.device)
         self.sampler_generator.manual_seed(args.random_seed or 0)
+        self.graph_runner: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and not args.disable_cuda_graph:
+            if self.attn_backend.supports_cuda_graph:
+                self.graph_runner = CudaGraphRunner(
+                    self, min(args.cuda_graph_max_bs, self.max_running_requests),
+                    self._model_forward,
+                )
+                self.graph_runner.capture()
+            else:
+                logger.info("attention backend %s has no CUDA graph support: decoding without",
+                            self.backend_name)
 
     def _attention_layers(self) -> list[RadixAttention]:
         return [m for m in self.model.modules() if isinstance(m, RadixAttention)]
@@ -168,9 +180,15 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Float32 logits [batch, vocab] of each request's next token."""
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return self.graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
         with forward_context(fb):
-            return self.model(fb)
+            return self._model_forward(fb)
+
+    def _model_forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """The model on a batch whose attention metadata is ready (also what graphs capture)."""
+        return self.model(fb)
 
 
 def _mem_available() -> float:

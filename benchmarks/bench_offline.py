@@ -1,0 +1,103 @@
+"""Offline throughput, workload W1: the nano-vllm / mini-sglang offline benchmark.
+
+    python3 benchmarks/bench_offline.py --shape llama3-8b --tp-size 1 --out w1.json
+
+`random.seed(0)`; 256 prompts of `randint(0, 10000)` token ids with lengths `randint(100, 1024)`;
+then 256 output lengths `randint(100, 1024)` (sum 133,966); temperature 0.6, ignore_eos; one
+warm-up request; all submitted at once through `srt.Engine` (`--load-format dummy`, bf16).
+Reports output tokens per second of wall time and the floor of the same run: for a schedule where
+every request starts at once, the sum over decode steps of max((weight bytes + KV bytes of all
+live contexts) / copy bandwidth, FLOPs / matmul rate), plus prefill FLOPs / matmul rate, with
+both rates measured here (per rank for --tp-size > 1: each rank holds 1/tp of weights, KV and
+FLOPs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+
+from benchmarks.common import Shape, copy_bandwidth, hardware, matmul_rate, print_table, \
+    write_json, write_shape_dir
+
+W1_OUTPUT_TOKENS = 133_966
+
+
+def w1_workload(num: int = 256) -> tuple[list[list[int]], list[int]]:
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
+               for _ in range(num)]
+    out_lens = [random.randint(100, 1024) for _ in range(num)]
+    return prompts, out_lens
+
+
+def floor_seconds(shape: Shape, in_lens: list[int], out_lens: list[int], bw: float,
+                  flops: float, tp: int = 1) -> float:
+    """Lower bound on the wall time (see the module docstring)."""
+    weight_bytes = shape.params * 2 / tp
+    kv_tok = shape.kv_bytes_per_token() / tp
+    prefill = sum(2 * shape.matmul_params * n + shape.attention_flops(n) * n / 2
+                  for n in in_lens) / tp / flops
+    total = prefill
+    for step in range(max(out_lens)):
+        live = [(i, o) for i, o in zip(in_lens, out_lens) if o > step]
+        ctx = sum(i + step for i, _ in live)
+        mem = (weight_bytes + kv_tok * ctx) / bw
+        fl = (2 * shape.matmul_params * len(live) + shape.attention_flops(1) * ctx) / tp / flops
+        total += max(mem, fl)
+    return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+
+    import srt
+
+    prompts, out_lens = w1_workload(a.num_prompts)
+    if a.num_prompts == 256:
+        assert sum(out_lens) == W1_OUTPUT_TOKENS, sum(out_lens)
+    bw, flops = copy_bandwidth(), matmul_rate()
+    shape = Shape.of(a.shape)
+    floor = floor_seconds(shape, [len(x) for x in prompts], out_lens, bw, flops, a.tp_size)
+    model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix=f"srt-{a.shape}-"))
+    t0 = time.perf_counter()
+    with srt.Engine(model_dir, load_format="dummy", dtype="bfloat16", tp_size=a.tp_size,
+                    attention_backend=a.attention_backend,
+                    disable_cuda_graph=a.disable_cuda_graph,
+                    disable_radix_cache=a.disable_radix_cache, random_seed=0,
+                    log_level="warning") as engine:
+        startup = time.perf_counter() - t0
+        info = engine.model_info
+        engine.generate(input_ids=[1, 2, 3, 4, 5], sampling_params={"max_new_tokens": 16})
+        params = [{"temperature": 0.6, "ignore_eos": True, "max_new_tokens": n}
+                  for n in out_lens]
+        t = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        wall = time.perf_counter() - t
+    produced = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    assert produced == sum(out_lens), (produced, sum(out_lens))
+    row = {
+        "shape": a.shape, "tp": a.tp_size, "backend": info["attention_backend"],
+        "cuda_graph": info["cuda_graph"], "requests": len(prompts), "output_tokens": produced,
+        "wall_s": wall, "out_tok_per_s": produced / wall, "floor_s": floor,
+        "of_floor": floor / wall, "kv_pool_tokens": info["max_total_num_tokens"],
+        "startup_s": startup,
+    }
+    print_table([row], list(row))
+    write_json(a.out, {"bench": "offline_w1", "argv": sys.argv, "hardware": hardware(),
+                       "copy_bandwidth_Bps": bw, "matmul_flops": flops, **row})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Shared pieces of the benchmark scripts: model shapes for `--load-format dummy`, and the
+hardware floors (copy bandwidth, matmul rate) measured in the same run as the figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+# Shapes of real checkpoints, served with random weights (same speed).
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      max_position_embeddings=8192, rope_theta=500000.0,
+                      tie_word_embeddings=False),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                         max_position_embeddings=8192, rope_theta=100000.0,
+                         tie_word_embeddings=True),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def of(cls, name: str) -> "Shape":
+        c = SHAPES[name]
+        return cls(name, c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"],
+                   c["num_key_value_heads"], c["hidden_size"] // c["num_attention_heads"],
+                   c["intermediate_size"], c["vocab_size"], c["tie_word_embeddings"])
+
+    @property
+    def params(self) -> int:
+        d, h = self.head_dim, self.hidden
+        attn = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
+        mlp = 3 * h * self.intermediate
+        embed = self.vocab * h * (1 if self.tied else 2)
+        return self.layers * (attn + mlp + 2 * h) + h + embed
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters multiplied per token (all but the input embedding lookup)."""
+        return self.params - (0 if self.tied else self.vocab * self.hidden)
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def attention_flops(self, ctx: int) -> int:
+        """FLOPs of one query token attending over ctx tokens (QK and PV), all layers."""
+        return 4 * self.layers * self.heads * self.head_dim * ctx
+
+
+def write_shape_dir(name: str, path: str) -> str:
+    """config.json (bf16) and a word-level tokenizer for `name` under `path`; returns `path`."""
+    from transformers import LlamaConfig
+
+    from tests.random_models import save_word_tokenizer
+
+    os.makedirs(path, exist_ok=True)
+    cfg = LlamaConfig(**SHAPES[name], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=1,
+                      pad_token_id=0, torch_dtype="bfloat16")
+    cfg.save_pretrained(path)
+    save_word_tokenizer(path, cfg.vocab_size)
+    return path
+
+
+def cuda_time_ms(fn: Callable[[], Any], warmup: int = 5, iters: int = 20) -> float:
+    """Median device time of fn in ms (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: str = "cuda") -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy."""
+    src = torch.empty(1 << 30, dtype=torch.float16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src))
+    return 2 * (1 << 30) * 2 / (ms / 1e3)
+
+
+def matmul_rate(device: str = "cuda", n: int = 8192) -> float:
+    """bf16 FLOP/s of an n^3 matmul."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    ms = cuda_time_ms(lambda: a @ b)
+    return 2 * n**3 / (ms / 1e3)
+
+
+def hardware() -> dict[str, Any]:
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"gpus": gpus, "torch": torch.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def write_json(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+
+
+def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
+    def fmt(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for x in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(x, widths)), flush=True)
