@@ -54,7 +54,7 @@ def graph_time_ms(fn: Callable[[], Any]) -> float | None:
 def make_runner(max_reqs: int) -> Any:
     return SimpleNamespace(
         device=DEV, dtype=DTYPE, config=SimpleNamespace(head_dim=D, num_heads=H),
-        max_running_requests=max_reqs, num_heads_per_rank=lambda: H,
+        max_running_requests=max_reqs, max_total_num_tokens=1 << 20, num_heads_per_rank=lambda: H,
         model_kv_heads=lambda: HKV, attn_scaling=lambda: D**-0.5,
     )
 

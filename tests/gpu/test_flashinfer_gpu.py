@@ -78,6 +78,7 @@ def test_flashinfer_matches_torch_backend(mode, prefix, new, dtype) -> None:
     q, k, v, args = _batch(mode, prefix, new, heads, kv_heads, d, dtype, "cuda")
     runner = SimpleNamespace(device=torch.device("cuda"), dtype=dtype,
                              config=SimpleNamespace(head_dim=d), max_running_requests=16,
+                             max_total_num_tokens=1 << 16,
                              num_heads_per_rank=lambda: heads, model_kv_heads=lambda: kv_heads,
                              attn_scaling=lambda: d**-0.5)
     layer = RadixAttention(heads, d, d**-0.5, kv_heads, 0)

@@ -67,8 +67,8 @@ def test_nccl_tp2_bf16_agrees_with_tp1(two_gpus: None, tmp_path: Any, backend: s
     """8 prompts x 64 tokens in bf16, CUDA graphs on: >= 95% of positions equal."""
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
-    model = save_random_llama(str(tmp_path), dtype="bfloat16", num_hidden_layers=4,
-                              hidden_size=1024, intermediate_size=2048, num_attention_heads=16,
+    model = save_random_llama(str(tmp_path), dtype="bfloat16", init_std=0.015,
+                              num_hidden_layers=4, hidden_size=1024, intermediate_size=2048, num_attention_heads=16,
                               num_key_value_heads=4, vocab_size=2048)
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 2048) for _ in range(rng.randrange(16, 200))] for _ in range(8)]
