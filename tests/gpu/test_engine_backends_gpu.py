@@ -33,8 +33,8 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def bf16_model(tmp_path_factory: Any) -> str:
     return save_random_llama(str(tmp_path_factory.mktemp("llama_bf16")), dtype="bfloat16",
-                             init_std=0.015, hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
-                             num_key_value_heads=2, vocab_size=VOCAB)
+                             init_std=0.015, hidden_size=1024, intermediate_size=2048,
+                             num_attention_heads=8, num_key_value_heads=2, vocab_size=VOCAB)
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
