@@ -74,7 +74,8 @@ def write_shape_dir(name: str, path: str) -> str:
 
     os.makedirs(path, exist_ok=True)
     cfg = LlamaConfig(**SHAPES[name], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=1,
-                      pad_token_id=0, torch_dtype="bfloat16")
+                      pad_token_id=0, torch_dtype="bfloat16",
+                      architectures=["LlamaForCausalLM"])
     cfg.save_pretrained(path)
     save_word_tokenizer(path, cfg.vocab_size)
     return path

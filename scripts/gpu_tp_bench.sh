@@ -19,7 +19,7 @@ for stage in $STAGES; do
     latency)
       for tp in 1 2; do
         for g in "" ${NOGRAPH:+--disable-cuda-graph}; do
-          timeout 240 python3 benchmarks/bench_latency.py --shape "$SHAPE" --tp-size $tp $g \
+          timeout ${LAT_TIMEOUT:-200} python3 benchmarks/bench_latency.py --shape "$SHAPE" --tp-size $tp $g \
             ${BACKEND:+--attention-backend $BACKEND} \
             --out "$OUT/latency_${SHAPE}_tp${tp}${g:+_nograph}.json" 2>&1 | tail -4
         done
@@ -27,7 +27,7 @@ for stage in $STAGES; do
       ;;
     offline)
       for tp in 1 2; do
-        timeout 300 python3 benchmarks/bench_offline.py --shape "$SHAPE" --tp-size $tp \
+        timeout ${OFF_TIMEOUT:-300} python3 benchmarks/bench_offline.py --shape "$SHAPE" --tp-size $tp \
           ${BACKEND:+--attention-backend $BACKEND} \
           --out "$OUT/offline_${SHAPE}_tp${tp}.json" 2>&1 | tail -4
       done

@@ -17,6 +17,8 @@ class ModelProcessDriver:
         from srt.managers.router.model_rpc import ModelRpcServer
         from srt.server_args import ServerArgs
 
+        # Few graph sizes: capture time adds to every start-up and the tests run small batches.
+        extra = {"cuda_graph_max_bs": 16, **extra}
         args = ServerArgs(model_path=model_dir, tokenizer_path=model_dir, device="cuda",
                           dtype=dtype, attention_backend=backend, max_total_tokens=32768,
                           random_seed=0, **extra)

@@ -32,7 +32,8 @@ def two_gpus() -> None:
 def _serve(model: str, dtype: str, tp: int, backend: str) -> ServerProcess:
     return ServerProcess(["--model-path", model, "--device", "cuda", "--dtype", dtype,
                           "--attention-backend", backend, "--tp-size", str(tp),
-                          "--max-total-tokens", "16384", "--random-seed", "0"]).start()
+                          "--max-total-tokens", "16384", "--random-seed", "0",
+                          "--cuda-graph-max-bs", "16"]).start()
 
 
 def _greedy(srv: ServerProcess):  # type: ignore[no-untyped-def]
