@@ -31,6 +31,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--log-level", default="warning")
     p.add_argument("--out", default=None)
     a = p.parse_args()
 
@@ -44,7 +45,7 @@ def main() -> None:
     with srt.Engine(model_dir, load_format="dummy", dtype="bfloat16", tp_size=a.tp_size,
                     attention_backend=a.attention_backend,
                     disable_cuda_graph=a.disable_cuda_graph, random_seed=0,
-                    log_level="warning") as engine:
+                    log_level=a.log_level) as engine:
         startup = time.perf_counter() - t0
         info = engine.model_info
 

@@ -59,6 +59,7 @@ def main() -> None:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--log-level", default="warning")
     p.add_argument("--out", default=None)
     a = p.parse_args()
 
@@ -76,7 +77,7 @@ def main() -> None:
                     attention_backend=a.attention_backend,
                     disable_cuda_graph=a.disable_cuda_graph,
                     disable_radix_cache=a.disable_radix_cache, random_seed=0,
-                    log_level="warning") as engine:
+                    log_level=a.log_level) as engine:
         startup = time.perf_counter() - t0
         info = engine.model_info
         engine.generate(input_ids=[1, 2, 3, 4, 5], sampling_params={"max_new_tokens": 16})
