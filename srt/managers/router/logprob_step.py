@@ -122,7 +122,6 @@ class StepLogprobs:
             outputs[i] = lp
         return ids, inputs, outputs
 
-
     def _split(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt rows and the output rows of the buffer (device or host copy)."""
         n_prompt = self.prompt_shape[0] * self.prompt_shape[1]
