@@ -100,6 +100,17 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
             return {"success": True, "message": out.message}
         return _error(409, out.message, None, "busy")
 
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Any:
+        body = await read_json(request)
+        rid = body.get("rid") if isinstance(body, dict) else None
+        if not isinstance(rid, str) or not rid:
+            raise RequestError("rid must be a non-empty string", "rid", "invalid_type")
+        n = tm.abort_by_client_rid(rid, "aborted by /abort_request")
+        if n == 0:
+            return _error(404, f"no request with rid {rid!r} is running", "rid", "rid_not_found")
+        return {"aborted": n}
+
     openai = OpenAIAdapter(tm, args.served_model_name or str(args.model_path), chat_template)
 
     @app.get("/v1/models")

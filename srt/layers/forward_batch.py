@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 if TYPE_CHECKING:
+    from srt.layers.logprobs import PromptLogprobRequest
     from srt.memory_pool import ReqToTokenPool, TokenToKVPool
 
 
@@ -52,6 +53,9 @@ class ForwardBatch:
     attn_backend: Any  # srt.layers.attention.AttentionBackend
     # Per-step metadata the backend computed in init_forward_metadata.
     attn_metadata: Any = None
+    # EXTEND/PREFILL only: prompt positions whose logprobs the logits processor writes (None: no
+    # request asked, and no extra work is done).
+    prompt_logprobs: "PromptLogprobRequest | None" = None
 
 
 _current: list[ForwardBatch] = []

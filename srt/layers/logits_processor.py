@@ -1,7 +1,9 @@
 """From the last hidden states to float32 logits of each request's next token.
 
-EXTEND/PREFILL: only the last new token of each request is projected (the others need no logits
-until logprobs are asked for). DECODE: every row. Vocab-parallel slices are gathered across ranks.
+EXTEND/PREFILL: only the last new token of each request is projected, except the prompt positions
+whose logprobs were asked for (`fb.prompt_logprobs`): those are projected too, in chunks, and
+reduced on the device to logprob rows (srt/layers/logprobs.py). DECODE: every row.
+Vocab-parallel slices are gathered across ranks, so every rank holds the same logits.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from torch import nn
 
 from srt.layers import parallel_state as ps
 from srt.layers.forward_batch import ForwardBatch
+from srt.layers.logprobs import PromptLogprobRequest, write_logprob_rows
+
+# Prompt positions are projected this many logits at a time (bounds the temporary [rows, vocab]).
+_PROMPT_CHUNK_ELEMENTS = 1 << 25
 
 
 class LogitsProcessor(nn.Module):
@@ -20,9 +26,24 @@ class LogitsProcessor(nn.Module):
 
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
+        """Float32 logits [batch, vocab] of each request's next token."""
         if fb.forward_mode.is_extend():
+            if fb.prompt_logprobs is not None:
+                self._prompt_logprobs(hidden, lm_head_weight, fb.prompt_logprobs)
             ends = torch.tensor(fb.extend_lens_cpu, device=hidden.device).cumsum(0) - 1
             hidden = hidden[ends]
+        return self._logits(hidden, lm_head_weight)
+
+    def _logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         logits = torch.matmul(hidden, lm_head_weight.t())
         logits = ps.all_gather_last_dim(logits)
         return logits[:, : self.vocab_size].float()
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                         req: PromptLogprobRequest) -> None:
+        # Every rank runs the same chunks: the all-gather inside _logits is a collective.
+        chunk = max(1, _PROMPT_CHUNK_ELEMENTS // self.vocab_size)
+        for start in range(0, len(req.rows), chunk):
+            end = start + chunk
+            logits = self._logits(hidden[req.rows[start:end]], lm_head_weight)
+            write_logprob_rows(logits, req.next_ids[start:end], req.top_k, req.out[start:end])

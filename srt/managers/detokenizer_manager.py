@@ -1,5 +1,6 @@
 """The detokenizer process: token ids -> text, incrementally and UTF-8 safe, with stop strings
-trimmed; control results pass through. Imports only the tokenizer and the messages.
+trimmed; the texts of tokens in logprobs when asked for; control results pass through. Imports
+only the tokenizer and the messages.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import zmq
 
 from srt.managers.comm import PullSocket, PushSocket
 from srt.managers.detokenize import IncrementalDetokenizer
-from srt.managers.io_struct import BatchStrOut, BatchTokenIdOut, StrOut, TokenOut
+from srt.managers.io_struct import BatchStrOut, BatchTokenIdOut, StrOut, TokenLogprobs, TokenOut
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import start_child
 
@@ -55,7 +56,19 @@ class DetokenizerManager:
             cached_tokens=o.cached_tokens,
             completion_tokens=o.completion_tokens,
             finish_reason=o.finish_reason,
+            input_logprobs=self._with_texts(o.input_logprobs, o.return_text_in_logprobs),
+            output_logprobs=self._with_texts(o.output_logprobs, o.return_text_in_logprobs),
         )
+
+    def _with_texts(self, lp: TokenLogprobs | None, want: bool) -> TokenLogprobs | None:
+        """Each token decoded alone (special tokens shown), for the logprob lists."""
+        if lp is None or not want:
+            return lp
+        flat = list(lp.token_ids) + [t for ids in lp.top_ids if ids for t in ids]
+        texts = iter(self.tokenizer.batch_decode([[t] for t in flat], skip_special_tokens=False))
+        lp.texts = [next(texts) for _ in lp.token_ids]
+        lp.top_texts = [None if ids is None else [next(texts) for _ in ids] for ids in lp.top_ids]
+        return lp
 
     def loop(self) -> None:
         while True:

@@ -37,6 +37,22 @@ def message(cls: type[T]) -> type[T]:
 
 @message
 @dataclass
+class LogprobOptions:
+    """The logprobs one request asked for (validated by the HTTP process; names as in the API).
+
+    logprob_start_len: -1 for no prompt logprobs, else the prompt position from which they are
+    returned (prompt tokens logprob_start_len .. len(prompt) - 1). top_logprobs_num: how many of
+    the most likely tokens to report per position (0..20). return_text_in_logprobs: the
+    detokenizer adds each token's text.
+    """
+
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+
+
+@message
+@dataclass
 class TokenizedGenerateReq:
     """One validated, tokenized request (one sample: `n` is expanded by the HTTP process)."""
 
@@ -47,6 +63,7 @@ class TokenizedGenerateReq:
     # Samples of one prompt share a group; the scheduler admits one of a group first so the others
     # find the prompt's KV in the radix cache.
     group: str | None = None
+    logprob: LogprobOptions | None = None  # None: no logprobs at all
 
 
 @message
@@ -85,6 +102,43 @@ class StepInput:
 
 @message
 @dataclass
+class TokenLogprobs:
+    """Logprobs of consecutive tokens of one request; plain lists, one entry per token.
+
+    logprobs[i] is log p(token_ids[i] | every token before it) under the model's distribution
+    (log_softmax of the raw logits, before penalties, temperature and top-p/k), computed in
+    float32. top_logprobs[i] / top_ids[i] are the request's top_logprobs_num most likely tokens at
+    that position, most likely first. The first prompt token has nothing before it: its logprob
+    and its top lists are None. texts / top_texts (each token decoded alone) are added by the
+    detokenizer when the request asked for them, else None.
+    """
+
+    logprobs: list[float | None] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[list[float] | None] = field(default_factory=list)
+    top_ids: list[list[int] | None] = field(default_factory=list)
+    texts: list[str] | None = None
+    top_texts: list[list[str] | None] | None = None
+
+    def extend(self, other: "TokenLogprobs") -> None:
+        """Append other's entries (texts only where both have them)."""
+        self.logprobs += other.logprobs
+        self.token_ids += other.token_ids
+        self.top_logprobs += other.top_logprobs
+        self.top_ids += other.top_ids
+        if self.texts is not None and other.texts is not None:
+            self.texts += other.texts
+        if self.top_texts is not None and other.top_texts is not None:
+            self.top_texts += other.top_texts
+
+    def since(self, start: int) -> "TokenLogprobs":
+        """The entries from index `start` on (ids, logprobs and top lists; texts are not kept)."""
+        return TokenLogprobs(self.logprobs[start:], self.token_ids[start:],
+                             self.top_logprobs[start:], self.top_ids[start:])
+
+
+@message
+@dataclass
 class TokenOut:
     """New output token ids of one request since its last TokenOut."""
 
@@ -101,6 +155,11 @@ class TokenOut:
     spaces_between_special_tokens: bool = True
     stop: list[str] = field(default_factory=list)
     no_stop_trim: bool = False
+    # Logprobs, for requests that asked. The prompt's are sent once, with the first TokenOut after
+    # the prompt was computed; output_logprobs has one entry per id of new_ids.
+    input_logprobs: TokenLogprobs | None = None
+    output_logprobs: TokenLogprobs | None = None
+    return_text_in_logprobs: bool = False
 
 
 @message
@@ -147,6 +206,9 @@ class StrOut:
     cached_tokens: int
     completion_tokens: int
     finish_reason: dict[str, Any] | None = None
+    # As in TokenOut (new entries only), with texts when the request asked for them.
+    input_logprobs: TokenLogprobs | None = None
+    output_logprobs: TokenLogprobs | None = None
 
 
 @message

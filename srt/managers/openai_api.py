@@ -2,8 +2,16 @@
 
 `/v1/completions` and `/v1/chat/completions` are translated into native /generate requests, so
 they share one validation path (errors keep OpenAI's field names) and one way to run requests.
-Fields that are accepted but not yet implemented (logprobs, tools, response formats) are refused
-with a 400 naming the field rather than ignored.
+Fields that are not implemented (tools, response formats, suffix, best_of > n) are refused with a
+400 naming the field rather than ignored.
+
+Logprobs come from the native ones (the model's distribution: log_softmax of the raw logits).
+Completions: `logprobs` (0..20) gives {tokens, token_logprobs, top_logprobs, text_offset}, with
+`echo` the prompt's tokens first (the first without a logprob); text_offset is where each token's
+text (decoded alone) starts in the choice's text. Chat: `logprobs: true` and `top_logprobs` (0..20)
+give {"content": [{token, logprob, bytes, top_logprobs}]}. A stream carries in each chunk the
+logprobs of the tokens that are new in it. A request aborted while it streams (POST
+/abort_request with its `rid`) ends its stream with one `data: {"error": ...}` event.
 """
 
 from __future__ import annotations
@@ -14,11 +22,16 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from srt.managers.tokenizer_manager import ParsedRequest, RequestError, TokenizerManager
+from srt.managers.token_bytes import TokenBytes
+from srt.managers.tokenizer_manager import (
+    MAX_TOP_LOGPROBS,
+    ParsedRequest,
+    RequestError,
+    TokenizerManager,
+)
 
-# native name -> OpenAI name, for error messages
-_FIELD_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
-                "text": "prompt", "input_ids": "prompt"}
+# native name -> OpenAI name, for error messages (the prompt's name is set per endpoint)
+_FIELD_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 # OpenAI / SGLang-extra field -> native sampling parameter
 _SAMPLING_FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "stop", "seed": "seed",
@@ -30,8 +43,8 @@ _SAMPLING_FIELDS = {
 }
 _IGNORED = {"user", "metadata", "store", "service_tier", "stream_options", "model", "stream",
             "max_tokens", "max_completion_tokens"}
-_NOT_YET = {"logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
-            "response_format", "logit_bias", "suffix", "regex", "json_schema"}
+_NOT_YET = {"tools", "tool_choice", "functions", "function_call", "response_format",
+            "logit_bias", "suffix", "regex", "json_schema"}
 
 
 def _finish_reason(reason: dict[str, Any] | None) -> str | None:
@@ -46,6 +59,12 @@ class OpenAIAdapter:
         self.tm = tm
         self.model = served_model_name
         self.chat_template = chat_template
+        self._token_bytes: TokenBytes | None = None
+
+    def token_bytes(self, token_id: int, text: str) -> list[int]:
+        if self._token_bytes is None:  # built at the first chat request with logprobs
+            self._token_bytes = TokenBytes(self.tm.tokenizer)
+        return self._token_bytes(token_id, text)
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [
@@ -64,17 +83,14 @@ class OpenAIAdapter:
                                f"{self.model!r}", "model", "model_not_found", status=404)
         for name in sorted(set(body) & _NOT_YET):
             value = body[name]
-            if name == "logprobs" and value in (None, False, 0) and "top_logprobs" not in body:
-                continue
             if name in ("tools", "functions") and not value:
                 continue
             if name in ("tool_choice", "function_call") and value in (None, "none"):
                 continue
             raise RequestError(f"{name} is not supported yet", name, "unsupported")
-        if "best_of" in body and body["best_of"] not in (None, 1, body.get("n", 1)):
-            raise RequestError("best_of other than n is not supported", "best_of", "unsupported")
+        self._check_best_of(body)
         unknown = sorted(set(body) - _IGNORED - set(_SAMPLING_FIELDS) - endpoint_fields
-                         - {"best_of"})
+                         - {"best_of", "rid"})
         if unknown:
             raise RequestError(f"unknown field {unknown[0]!r}", unknown[0], "unknown_field")
         stream = body.get("stream", False)
@@ -86,20 +102,50 @@ class OpenAIAdapter:
                                "invalid_type")
         params = {native: body[name] for name, native in _SAMPLING_FIELDS.items()
                   if body.get(name) is not None}
+        extra = {"rid": body["rid"]} if body.get("rid") is not None else {}
         return {"stream": stream, "include_usage": bool(options.get("include_usage")),
-                "params": params}
+                "params": params, "extra": extra}
 
-    def _parse_native(self, native: dict[str, Any]) -> ParsedRequest:
+    @staticmethod
+    def _check_best_of(body: dict[str, Any]) -> None:
+        best_of = body.get("best_of")
+        if best_of is None:
+            return
+        if isinstance(best_of, bool) or not isinstance(best_of, int):
+            raise RequestError("best_of must be an integer", "best_of", "invalid_type")
+        n = body.get("n")
+        n = n if isinstance(n, int) and not isinstance(n, bool) else 1
+        if best_of < n:
+            raise RequestError(f"best_of ({best_of}) must be >= n ({n})", "best_of")
+        if best_of > n:
+            raise RequestError("best_of > n (choosing the best samples on the server) is not "
+                               "supported", "best_of", "unsupported")
+
+    @staticmethod
+    def _top_count(body: dict[str, Any], name: str) -> int | None:
+        """An optional integer field in [0, MAX_TOP_LOGPROBS]."""
+        value = body.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RequestError(f"{name} must be an integer", name, "invalid_type")
+        if not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}", name)
+        return value
+
+    def _parse_native(self, native: dict[str, Any], names: dict[str, str]) -> ParsedRequest:
+        """Run the native validation; errors are renamed to the endpoint's field names."""
+        names = {**_FIELD_NAMES, **names}
         try:
             return self.tm.parse_generate_request(native)
         except RequestError as e:
-            if e.param in _FIELD_NAMES:
-                raise RequestError(str(e).replace(e.param, _FIELD_NAMES[e.param]),
-                                   _FIELD_NAMES[e.param], e.code, e.status) from None
+            if e.param in names:
+                raise RequestError(str(e).replace(e.param, names[e.param]),
+                                   names[e.param], e.code, e.status) from None
             raise
 
     def parse_completion(self, body: Any) -> tuple[ParsedRequest, dict[str, Any]]:
-        c = self._common(body, {"prompt", "echo"})
+        c = self._common(body, {"prompt", "echo", "logprobs"})
         prompt = body.get("prompt")
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                        and all(isinstance(p, str) for p in prompt)):
@@ -112,23 +158,42 @@ class OpenAIAdapter:
         max_tokens = body.get("max_tokens", 16)
         native["sampling_params"] = {**c["params"], "max_new_tokens": max_tokens}
         native["stream"] = c["stream"]
+        native.update(c["extra"])
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
             raise RequestError("echo must be a boolean", "echo", "invalid_type")
-        parsed = self._parse_native(native)
+        logprobs = self._top_count(body, "logprobs")
+        if logprobs is not None:
+            native.update(return_logprob=True, top_logprobs_num=logprobs,
+                          return_text_in_logprobs=True, logprob_start_len=0 if echo else -1)
+        parsed = self._parse_native(native, {"text": "prompt", "input_ids": "prompt",
+                                             "top_logprobs_num": "logprobs"})
         c["echo"] = echo
+        c["logprobs"] = logprobs is not None
         return parsed, c
 
     def parse_chat(self, body: Any) -> tuple[ParsedRequest, dict[str, Any]]:
-        c = self._common(body, {"messages"})
+        c = self._common(body, {"messages", "logprobs", "top_logprobs"})
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise RequestError("logprobs must be a boolean", "logprobs", "invalid_type")
+        top = self._top_count(body, "top_logprobs")
+        if top is not None and not logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         ids = self._chat_ids(body.get("messages"))
+        budget_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is None:  # OpenAI's default: as much as the context leaves
             limits = self.tm.limits
             max_tokens = max(0, min(limits.context_length, limits.max_total_num_tokens) - len(ids))
         native = {"input_ids": ids, "sampling_params": {**c["params"], "max_new_tokens": max_tokens},
-                  "stream": c["stream"]}
-        return self._parse_native(native), c
+                  "stream": c["stream"], **c["extra"]}
+        if logprobs:
+            native.update(return_logprob=True, top_logprobs_num=top or 0,
+                          return_text_in_logprobs=True)
+        c["logprobs"] = bool(logprobs)
+        return self._parse_native(native, {"input_ids": "messages",
+                                           "max_new_tokens": budget_name}), c
 
     def _chat_ids(self, messages: Any) -> list[int]:
         if not isinstance(messages, list) or not messages:
@@ -169,6 +234,39 @@ class OpenAIAdapter:
     def _prompt_text(self, parsed: ParsedRequest, index: int) -> str:
         return self.tm.tokenizer.decode(parsed.reqs[index].input_ids)
 
+    # ------------------------------------------------------------------ logprobs
+
+    @staticmethod
+    def _completion_logprobs(tokens: list[list[Any]], tops: list[Any],
+                             offset: int) -> dict[str, Any]:
+        """Native [logprob, id, text] entries -> the completions logprobs object; offset is where
+        the first token's text starts in the choice's text."""
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t[2])
+        top_dicts: list[dict[str, float] | None] = []
+        for top in tops:
+            if top is None:
+                top_dicts.append(None)
+                continue
+            d: dict[str, float] = {}
+            for value, _, text in top:  # most likely first: keep it when two texts are equal
+                d.setdefault(text, value)
+            top_dicts.append(d)
+        return {"tokens": [t[2] for t in tokens], "token_logprobs": [t[0] for t in tokens],
+                "top_logprobs": top_dicts, "text_offset": offsets}
+
+    def _chat_logprobs(self, tokens: list[list[Any]], tops: list[Any]) -> dict[str, Any]:
+        def entry(value: float, token_id: int, text: str) -> dict[str, Any]:
+            return {"token": text, "logprob": value, "bytes": self.token_bytes(token_id, text)}
+
+        content = [{**entry(*t), "top_logprobs": [entry(*x) for x in top or []]}
+                   for t, top in zip(tokens, tops)]
+        return {"content": content, "refusal": None}
+
+    # ------------------------------------------------------------------ answers
+
     async def completion(self, parsed: ParsedRequest, c: dict[str, Any],
                          is_disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | None:
         results = await self.tm.wait_all(parsed, is_disconnected)
@@ -176,9 +274,18 @@ class OpenAIAdapter:
             return None
         choices = []
         for i, r in enumerate(results):
+            meta = r["meta_info"]
             text = (self._prompt_text(parsed, i) if c["echo"] else "") + r["text"]
-            choices.append({"index": i, "text": text, "logprobs": None,
-                            "finish_reason": _finish_reason(r["meta_info"]["finish_reason"])})
+            logprobs = None
+            if c["logprobs"]:
+                prompt = ([], [])
+                if c["echo"]:
+                    prompt = (meta["input_token_logprobs"], meta["input_top_logprobs"])
+                logprobs = self._completion_logprobs(
+                    prompt[0] + meta["output_token_logprobs"],
+                    prompt[1] + meta["output_top_logprobs"], 0)
+            choices.append({"index": i, "text": text, "logprobs": logprobs,
+                            "finish_reason": _finish_reason(meta["finish_reason"])})
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": self.model, "choices": choices,
                 "usage": self._usage(parsed, sum(len(r["output_ids"]) for r in results))}
@@ -188,59 +295,99 @@ class OpenAIAdapter:
         results = await self.tm.wait_all(parsed, is_disconnected)
         if results is None:
             return None
-        choices = [{"index": i, "message": {"role": "assistant", "content": r["text"]},
-                    "logprobs": None,
-                    "finish_reason": _finish_reason(r["meta_info"]["finish_reason"])}
-                   for i, r in enumerate(results)]
+        choices = []
+        for i, r in enumerate(results):
+            meta = r["meta_info"]
+            logprobs = None
+            if c["logprobs"]:
+                logprobs = self._chat_logprobs(meta["output_token_logprobs"],
+                                               meta["output_top_logprobs"])
+            choices.append({"index": i, "message": {"role": "assistant", "content": r["text"]},
+                            "logprobs": logprobs,
+                            "finish_reason": _finish_reason(meta["finish_reason"])})
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": self.model, "choices": choices,
                 "usage": self._usage(parsed, sum(len(r["output_ids"]) for r in results))}
 
     async def stream(self, parsed: ParsedRequest, c: dict[str, Any], chat: bool,
                      is_disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[bytes]:
-        """SSE chunks: text deltas (chat: a first chunk with the role), a chunk with the finish
-        reason, the usage chunk when asked for, then [DONE]."""
+        """SSE chunks: per choice (chat: a first chunk with the role; completions with echo: a
+        first chunk with the prompt) the text deltas with the logprobs of their new tokens, a
+        chunk with the finish reason; then the usage chunk when asked for, then [DONE]. An
+        aborted request ends the stream with one error event instead."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(index: int, delta: str | None, finish: str | None,
-                  role: bool = False) -> bytes:
+        def event(body: dict[str, Any]) -> bytes:
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+        def chunk(index: int, delta: str | None, finish: str | None, role: bool = False,
+                  logprobs: dict[str, Any] | None = None) -> bytes:
             if chat:
                 d: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
                     {"content": delta} if delta else {})
-                choice = {"index": index, "delta": d, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": index, "text": delta or "", "logprobs": None,
+                choice = {"index": index, "delta": d, "logprobs": logprobs,
                           "finish_reason": finish}
-            body = {"id": rid, "object": obj, "created": created, "model": self.model,
-                    "choices": [choice]}
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+            else:
+                choice = {"index": index, "text": delta or "", "logprobs": logprobs,
+                          "finish_reason": finish}
+            return event({"id": rid, "object": obj, "created": created, "model": self.model,
+                          "choices": [choice]})
 
-        sent = [""] * len(parsed.reqs)
-        completion_tokens = [0] * len(parsed.reqs)
+        n = len(parsed.reqs)
+        sent = [""] * n
+        sent_logprobs = [0] * n  # output logprob entries sent per choice
+        text_offset = [0] * n  # completions: where the next token's text starts
+        started = [False] * n
+        completion_tokens = [0] * n
+
+        def logprobs_of(index: int, tokens: list[list[Any]], tops: list[Any]) -> dict[str, Any]:
+            if chat:
+                return self._chat_logprobs(tokens, tops)
+            lp = self._completion_logprobs(tokens, tops, text_offset[index])
+            text_offset[index] += sum(len(t[2]) for t in tokens)
+            return lp
+
         if chat:
-            for i in range(len(parsed.reqs)):
+            for i in range(n):
                 yield chunk(i, None, None, role=True)
-        elif c.get("echo"):
-            for i in range(len(parsed.reqs)):
-                yield chunk(i, self._prompt_text(parsed, i), None)
         # aclosing: a client that leaves closes this generator; the requests are aborted now.
         async with contextlib.aclosing(self.tm.stream_all(parsed, is_disconnected)) as items:
             async for index, item in items:
+                meta = item["meta_info"]
+                if meta["finish_reason"] is not None and meta["finish_reason"]["type"] == "abort":
+                    # The other choices are aborted when `items` closes.
+                    yield event({"error": {"message": meta["finish_reason"]["message"],
+                                           "type": "server_error", "param": None,
+                                           "code": "request_aborted"}})
+                    return
+                if not chat and c.get("echo") and not started[index]:
+                    lp = None
+                    if c["logprobs"]:
+                        lp = logprobs_of(index, meta["input_token_logprobs"],
+                                         meta["input_top_logprobs"])
+                    yield chunk(index, self._prompt_text(parsed, index), None, logprobs=lp)
+                started[index] = True
                 text = item["text"]
                 # Results are cumulative; send what is new. The detokenizer only ever extends the
                 # text it showed, so the new text is a suffix.
                 delta = text[len(sent[index]):] if text.startswith(sent[index]) else ""
                 sent[index] = text if text.startswith(sent[index]) else sent[index]
-                completion_tokens[index] = item["meta_info"]["completion_tokens"]
-                finish = _finish_reason(item["meta_info"]["finish_reason"])
-                if delta:
-                    yield chunk(index, delta, None)
+                completion_tokens[index] = meta["completion_tokens"]
+                finish = _finish_reason(meta["finish_reason"])
+                lp = None
+                if c["logprobs"]:
+                    new = meta["output_token_logprobs"][sent_logprobs[index]:]
+                    if new:
+                        tops = meta["output_top_logprobs"][sent_logprobs[index]:]
+                        sent_logprobs[index] += len(new)
+                        lp = logprobs_of(index, new, tops)
+                if delta or lp is not None:
+                    yield chunk(index, delta, None, logprobs=lp)
                 if finish is not None:
                     yield chunk(index, None, finish)
         if c.get("include_usage"):
-            body = {"id": rid, "object": obj, "created": created, "model": self.model,
-                    "choices": [], "usage": self._usage(parsed, sum(completion_tokens))}
-            yield f"data: {json.dumps(body)}\n\n".encode()
+            yield event({"id": rid, "object": obj, "created": created, "model": self.model,
+                         "choices": [], "usage": self._usage(parsed, sum(completion_tokens))})
         yield b"data: [DONE]\n\n"

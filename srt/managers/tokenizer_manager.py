@@ -24,14 +24,18 @@ from srt.managers.io_struct import (
     FlushCacheOut,
     FlushCacheReq,
     GetStatsReq,
+    LogprobOptions,
     StatsOut,
     StrOut,
     TokenizedGenerateReq,
+    TokenLogprobs,
 )
 from srt.sampling_params import SamplingParamError, SamplingParams, is_valid_utf8
 from srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
+
+MAX_TOP_LOGPROBS = 20
 
 
 class RequestError(ValueError):
@@ -61,6 +65,8 @@ class SingleRequest:
     params: SamplingParams
     index: int  # position in the answer list
     group: str | None  # internal id shared by the samples of one prompt (n > 1)
+    logprob: LogprobOptions | None = None
+    parent_rid: str = ""  # the client's rid of the prompt (n > 1: the samples' rid is rid-k)
     # Internal id on the wire: unique per submission, so a client reusing a rid right after an
     # abort can never be confused with the request being aborted.
     wire_rid: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -73,12 +79,60 @@ class ParsedRequest:
     is_batch: bool  # answer with a list
 
 
+def _triples(lp: TokenLogprobs) -> tuple[list[list[Any]], list[list[list[Any]] | None]]:
+    """TokenLogprobs -> the API's [logprob, token_id, text or None] per token, and per token
+    the list of such triples of its top tokens (None for the first prompt token)."""
+    texts = lp.texts or [None] * len(lp.token_ids)
+    top_texts = lp.top_texts or [None] * len(lp.top_ids)
+    tokens = [[v, t, x] for v, t, x in zip(lp.logprobs, lp.token_ids, texts)]
+    tops: list[list[list[Any]] | None] = []
+    for values, ids, words in zip(lp.top_logprobs, lp.top_ids, top_texts):
+        if values is None or ids is None:
+            tops.append(None)
+        else:
+            tops.append([[v, t, w] for v, t, w in zip(values, ids, words or [None] * len(ids))])
+    return tokens, tops
+
+
+@dataclass
+class LogprobState:
+    """The logprobs of one sample so far, as meta_info reports them (cumulative)."""
+
+    input_token_logprobs: list[list[Any]] = field(default_factory=list)
+    input_top_logprobs: list[Any] = field(default_factory=list)
+    output_token_logprobs: list[list[Any]] = field(default_factory=list)
+    output_top_logprobs: list[Any] = field(default_factory=list)
+
+    def add(self, out: StrOut) -> None:
+        if out.input_logprobs is not None:
+            tokens, tops = _triples(out.input_logprobs)
+            self.input_token_logprobs += tokens
+            self.input_top_logprobs += tops
+        if out.output_logprobs is not None:
+            tokens, tops = _triples(out.output_logprobs)
+            self.output_token_logprobs += tokens
+            self.output_top_logprobs += tops
+
+    def meta(self) -> dict[str, Any]:
+        values = [t[0] for t in self.input_token_logprobs if t[0] is not None]
+        return {
+            "input_token_logprobs": list(self.input_token_logprobs),
+            "output_token_logprobs": list(self.output_token_logprobs),
+            "input_top_logprobs": list(self.input_top_logprobs),
+            "output_top_logprobs": list(self.output_top_logprobs),
+            # mean logprob of the prompt tokens from logprob_start_len on (None: none asked)
+            "normalized_prompt_logprob": sum(values) / len(values) if values else None,
+        }
+
+
 @dataclass
 class ReqState:
     user_rid: str
+    parent_rid: str = ""
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
+    logprobs: LogprobState | None = None  # None: no logprobs asked
 
 
 class TokenizerManager:
@@ -145,7 +199,8 @@ class TokenizerManager:
         """Validate a /generate body. Raises RequestError naming the offending field."""
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object", None, "invalid_type")
-        known = {"text", "input_ids", "sampling_params", "stream", "rid"}
+        known = {"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob",
+                 "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
         unknown = sorted(set(body) - known)
         if unknown:
             raise RequestError(f"unknown field {unknown[0]!r}", unknown[0], "unknown_field")
@@ -162,17 +217,19 @@ class TokenizerManager:
             prompt_ids, is_batch = self._parse_ids(input_ids)
         params = self._parse_params(body.get("sampling_params"), len(prompt_ids))
         rids = self._parse_rids(body.get("rid"), len(prompt_ids))
+        logprobs = self._parse_logprobs(body, prompt_ids)
+        prompt_field = "text" if text is not None else "input_ids"
         reqs: list[SingleRequest] = []
-        for i, (ids, p, rid) in enumerate(zip(prompt_ids, params, rids)):
-            self._check_lengths(ids, p)
+        for i, (ids, p, rid, lp) in enumerate(zip(prompt_ids, params, rids, logprobs)):
+            self._check_lengths(ids, p, prompt_field)
             if p.n == 1:
-                reqs.append(SingleRequest(rid, ids, p, len(reqs), None))
+                reqs.append(SingleRequest(rid, ids, p, len(reqs), None, lp, rid))
                 continue
             group = uuid.uuid4().hex
             for k in range(p.n):
                 # each sample its own seed, or they would all draw the same tokens
                 pk = p if p.seed is None else dataclasses.replace(p, seed=(p.seed + k) % 2**63)
-                reqs.append(SingleRequest(f"{rid}-{k}", ids, pk, len(reqs), group))
+                reqs.append(SingleRequest(f"{rid}-{k}", ids, pk, len(reqs), group, lp, rid))
         seen: set[str] = set()
         for r in reqs:
             if r.rid in self.user_rids or r.rid in seen:
@@ -252,20 +309,59 @@ class TokenizerManager:
         raise RequestError("rid must be a non-empty string, or a list of distinct strings with "
                            "one per prompt", "rid", "invalid_type")
 
-    def _check_lengths(self, ids: list[int], p: SamplingParams) -> None:
-        need = len(ids) + p.max_new_tokens
-        if need > self.limits.context_length:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens and max_new_tokens is {p.max_new_tokens}: "
-                f"{need} exceeds the context length {self.limits.context_length}",
-                "max_new_tokens", "context_length_exceeded",
-            )
-        if need > self.limits.max_total_num_tokens:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens and max_new_tokens is {p.max_new_tokens}: "
-                f"{need} exceeds the KV cache capacity ({self.limits.max_total_num_tokens} tokens)",
-                "max_new_tokens", "kv_capacity_exceeded",
-            )
+    def _parse_logprobs(self, body: dict[str, Any],
+                        prompt_ids: list[list[int]]) -> list[LogprobOptions | None]:
+        """The logprob fields (each a value, or a list with one per prompt) -> per prompt the
+        options, or None where return_logprob is false."""
+        n = len(prompt_ids)
+
+        def per_prompt(name: str, default: Any) -> list[Any]:
+            raw = body.get(name)
+            if isinstance(raw, list):
+                if len(raw) != n:
+                    raise RequestError(f"{name} has {len(raw)} entries for {n} prompts", name)
+                return [default if v is None else v for v in raw]
+            return [default if raw is None else raw] * n
+
+        def check_bool(name: str, v: Any) -> None:
+            if not isinstance(v, bool):
+                raise RequestError(f"{name} must be a boolean", name, "invalid_type")
+
+        def check_int(name: str, v: Any, lo: int, hi: int) -> None:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise RequestError(f"{name} must be an integer", name, "invalid_type")
+            if not lo <= v <= hi:
+                raise RequestError(f"{name} must be in [{lo}, {hi}], got {v}", name)
+
+        out: list[LogprobOptions | None] = []
+        for ids, ret, start, top, text in zip(
+            prompt_ids, per_prompt("return_logprob", False), per_prompt("logprob_start_len", -1),
+            per_prompt("top_logprobs_num", 0), per_prompt("return_text_in_logprobs", False),
+        ):
+            check_bool("return_logprob", ret)
+            check_int("logprob_start_len", start, -1, len(ids) - 1)
+            check_int("top_logprobs_num", top, 0, MAX_TOP_LOGPROBS)
+            check_bool("return_text_in_logprobs", text)
+            out.append(LogprobOptions(start, top, text) if ret else None)
+        return out
+
+    def _check_lengths(self, ids: list[int], p: SamplingParams, prompt_field: str) -> None:
+        """prompt + max_new_tokens must fit the context and the KV pool; the error names the
+        prompt when the prompt alone does not fit, else max_new_tokens."""
+        limits = [(self.limits.context_length, f"the context length {self.limits.context_length}",
+                   "context_length_exceeded"),
+                  (self.limits.max_total_num_tokens,
+                   f"the KV cache capacity ({self.limits.max_total_num_tokens} tokens)",
+                   "kv_capacity_exceeded")]
+        for limit, what, code in limits:
+            if len(ids) > limit:
+                raise RequestError(f"the prompt has {len(ids)} tokens: it exceeds {what}",
+                                   prompt_field, code)
+            need = len(ids) + p.max_new_tokens
+            if need > limit:
+                raise RequestError(
+                    f"the prompt has {len(ids)} tokens and max_new_tokens is "
+                    f"{p.max_new_tokens}: {need} exceeds {what}", "max_new_tokens", code)
 
     def submit(self, parsed: ParsedRequest) -> None:
         """Register every sample's state, then send them to the router."""
@@ -276,13 +372,15 @@ class TokenizerManager:
                 sampling_params=r.params.to_dict(),
                 stream=parsed.stream,
                 group=r.group,
+                logprob=r.logprob,
             )
             for r in parsed.reqs
         ]
         self.to_router.send_all(msgs)
         # No await in between: results cannot arrive before the states exist.
         for r in parsed.reqs:
-            self.states[r.wire_rid] = ReqState(r.rid)
+            self.states[r.wire_rid] = ReqState(
+                r.rid, r.parent_rid, logprobs=LogprobState() if r.logprob is not None else None)
             self.user_rids.add(r.rid)
 
     def abort(self, rid: str, message: str = "aborted: the client disconnected") -> None:
@@ -294,6 +392,16 @@ class TokenizerManager:
         if not state.finished:
             self.to_router.send(AbortReq(rid, message))
 
+    def abort_by_client_rid(self, rid: str, message: str) -> int:
+        """Stop the in-flight requests with this client rid (or the samples of it) in the model
+        process. Their states stay: each still gets its result, finished with type "abort".
+        Returns how many were aborted."""
+        wire = [w for w, st in self.states.items()
+                if not st.finished and rid in (st.user_rid, st.parent_rid)]
+        for w in wire:
+            self.to_router.send(AbortReq(w, message))
+        return len(wire)
+
     async def stream_results(self, rid: str) -> AsyncIterator[dict[str, Any]]:
         """Cumulative results of one sample, one per StrOut, until it finishes."""
         state = self.states[rid]
@@ -301,6 +409,8 @@ class TokenizerManager:
             while True:
                 out: StrOut = await state.queue.get()
                 state.output_ids.extend(out.new_ids)
+                if state.logprobs is not None:
+                    state.logprobs.add(out)
                 state.finished = out.finish_reason is not None
                 yield self.result_dict(state.user_rid, out, state)
                 if state.finished:
@@ -364,14 +474,14 @@ class TokenizerManager:
 
     @staticmethod
     def result_dict(rid: str, out: StrOut, state: ReqState) -> dict[str, Any]:
-        return {
-            "text": out.text,
-            "output_ids": list(state.output_ids),
-            "meta_info": {
-                "id": rid,
-                "prompt_tokens": out.prompt_tokens,
-                "completion_tokens": out.completion_tokens,
-                "cached_tokens": out.cached_tokens,
-                "finish_reason": out.finish_reason,
-            },
+        """The answer so far; every list in it is cumulative (streaming too)."""
+        meta: dict[str, Any] = {
+            "id": rid,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens,
+            "finish_reason": out.finish_reason,
         }
+        if state.logprobs is not None:
+            meta.update(state.logprobs.meta())
+        return {"text": out.text, "output_ids": list(state.output_ids), "meta_info": meta}

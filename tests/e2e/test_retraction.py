@@ -1,10 +1,12 @@
 """A KV pool too small for the load: requests are retracted and re-run, never dropped, and the
-greedy outputs equal those of a large pool."""
+greedy outputs (and the logprobs of the requests that ask for them) equal those of a large pool."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 from typing import Any
+
+import pytest
 
 from tests.conftest import BASE_ARGS, ServerProcess
 
@@ -13,13 +15,26 @@ PROMPTS = [f"Story number {i}: once upon a time there was a" + " very" * (i % 5)
 BODY = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
 
 
-def _run_all(srv: ServerProcess) -> list[list[int]]:
+def _body(i: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"text": PROMPTS[i], "sampling_params": BODY}
+    if i % 2 == 0:  # half of them ask for logprobs: prompt ones are computed at the first fill
+        body.update(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+    return body
+
+
+def _run_all(srv: ServerProcess) -> list[dict[str, Any]]:
     with cf.ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(
-            lambda p: srv.generate({"text": p, "sampling_params": BODY}), PROMPTS))
-    for r in results:
-        assert r["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
-    return [r["output_ids"] for r in results]
+        results = list(pool.map(lambda i: srv.generate(_body(i)), range(len(PROMPTS))))
+    for i, r in enumerate(results):
+        meta = r["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 200}
+        if i % 2 == 0:  # each prompt token once, each output token once
+            assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+            assert len(meta["output_token_logprobs"]) == 200
+            assert [t[1] for t in meta["output_token_logprobs"]] == r["output_ids"]
+        else:
+            assert "output_token_logprobs" not in meta
+    return results
 
 
 def test_small_pool_retracts_and_matches_large_pool(server: Any, smollm2_dir: str) -> None:
@@ -35,4 +50,9 @@ def test_small_pool_retracts_and_matches_large_pool(server: Any, smollm2_dir: st
     finally:
         small.stop()
     for i, (got, ref) in enumerate(zip(outputs, reference)):
-        assert got == ref, f"request {i} differs after retraction"
+        assert got["output_ids"] == ref["output_ids"], f"request {i} differs after retraction"
+        if i % 2 == 0:
+            for key in ("input_token_logprobs", "output_token_logprobs"):
+                g, r = got["meta_info"][key], ref["meta_info"][key]
+                assert [t[1] for t in g] == [t[1] for t in r]
+                assert [t[0] for t in g] == pytest.approx([t[0] for t in r], abs=1e-4), (i, key)

@@ -58,10 +58,22 @@ def test_smollm2_tp3_equals_tp1(server: Any, smollm2_tokenizer: Any) -> None:
         "The capital of France is", "def add(a, b):", "Three colors:", "Once upon a time",
         "The best way to learn", "Water boils at", "My favourite book is", "In 1969,")]
     params = {**GREEDY, "max_new_tokens": 12}
-    reference = _greedy(server, prompts, params)
+    # half of them with logprobs: every rank computes the same rows (the logits are gathered)
+    body = {"input_ids": prompts, "sampling_params": params, "logprob_start_len": 0,
+            "return_logprob": [i % 2 == 0 for i in range(len(prompts))], "top_logprobs_num": 3}
+    reference = server.generate(body)
     srv = ServerProcess([*BASE_ARGS, "--tp-size", "3", "--max-total-tokens", "2048"]).start()
     try:
-        assert _greedy(srv, prompts, params) == reference
+        got = srv.generate(body)
+        assert [r["output_ids"] for r in got] == [r["output_ids"] for r in reference]
+        for g, r in zip(got[::2], reference[::2]):
+            for key in ("input_token_logprobs", "output_token_logprobs"):
+                assert [t[1] for t in g["meta_info"][key]] == [t[1] for t in r["meta_info"][key]]
+                assert [t[0] for t in g["meta_info"][key]] == pytest.approx(
+                    [t[0] for t in r["meta_info"][key]], abs=1e-4)
+            for top_g, top_r in zip(g["meta_info"]["output_top_logprobs"],
+                                    r["meta_info"]["output_top_logprobs"]):
+                assert [t[0] for t in top_g] == pytest.approx([t[0] for t in top_r], abs=1e-4)
         info = srv.server_info()
         assert info["tp_size"] == 3 and info["kv_pool_per_rank"]["kv_heads"] == 1
         srv.assert_kv_invariant()

@@ -20,11 +20,13 @@ from srt.managers.io_struct import (
     FlushCacheOut,
     FlushCacheReq,
     GetStatsReq,
+    LogprobOptions,
     StatsOut,
     StepInput,
     StepOutput,
     StrOut,
     TokenizedGenerateReq,
+    TokenLogprobs,
     TokenOut,
     decode,
     encode,
@@ -45,14 +47,27 @@ def token_out(rid: str, finish: dict[str, Any] | None = None) -> TokenOut:
                     spaces_between_special_tokens=True, stop=["</s>", "ü😀"], no_stop_trim=True)
 
 
+# The first prompt token has no logprob; float32 values, ids, per-position top lists.
+PROMPT_LP = TokenLogprobs([None, -1.25, -0.0078125], [1, 2, 3], [None, [-0.5, -1.5], [-0.25, -3.0]],
+                          [None, [9, 2], [3, 7]])
+TEXT_LP = TokenLogprobs([-0.1], [5], [[-0.1]], [[5]], texts=["ü😀"], top_texts=[["ü😀"]])
+
+
 def samples() -> dict[str, list[Any]]:
     """At least one instance of every registered message, nested ones included."""
+    options = LogprobOptions(logprob_start_len=2, top_logprobs_num=20, return_text_in_logprobs=True)
     gen = TokenizedGenerateReq(rid="a1", input_ids=[1, 2, 3, 65535, 2**40], sampling_params=SP,
-                               stream=True, group="g-1")
+                               stream=True, group="g-1", logprob=options)
+    with_lp = dataclasses.replace(token_out("e5"), input_logprobs=PROMPT_LP,
+                                  output_logprobs=TokenLogprobs([-2.5, -0.75, -0.125], [5, 6, 7],
+                                                                [[], [], []], [[], [], []]),
+                                  return_text_in_logprobs=True)
     tout = [token_out("a1"), token_out("b2", {"type": "stop", "matched": 2}),
             token_out("c3", {"type": "length", "length": 3}),
-            token_out("d4", {"type": "stop", "matched": "END"})]
+            token_out("d4", {"type": "stop", "matched": "END"}), with_lp]
     return {
+        "LogprobOptions": [options, LogprobOptions()],
+        "TokenLogprobs": [PROMPT_LP, TEXT_LP, TokenLogprobs()],
         "TokenizedGenerateReq": [gen, TokenizedGenerateReq("x", [], {})],
         "AbortReq": [AbortReq("a1"), AbortReq("b", message="client gone ✓")],
         "FlushCacheReq": [FlushCacheReq("f")],
@@ -74,7 +89,8 @@ def samples() -> dict[str, list[Any]]:
                        controls=[FlushCacheOut("f1", True, "ok"), StatsOut("s1", {"x": 1.5})],
                        has_work=True),
         ],
-        "StrOut": [StrOut("a1", "héllo 中文 😀", [1, 2], 3, 0, 2, {"type": "abort", "message": "x"})],
+        "StrOut": [StrOut("a1", "héllo 中文 😀", [1, 2], 3, 0, 2, {"type": "abort", "message": "x"}),
+                   StrOut("b", "x", [5], 3, 0, 1, None, PROMPT_LP, TEXT_LP)],
         "BatchStrOut": [BatchStrOut([StrOut("a", "", [], 0, 0, 0)]), BatchStrOut([])],
     }
 
@@ -104,6 +120,20 @@ def test_nested_types_are_rebuilt() -> None:
     assert all(isinstance(t, TokenOut) for t in step_out.token_out.outs)
     assert [type(c) for c in step_out.controls] == [FlushCacheOut, StatsOut]
     assert step_out.token_out.outs[1].finish_reason == {"type": "stop", "matched": 2}
+    lp = step_out.token_out.outs[4].input_logprobs
+    assert isinstance(lp, TokenLogprobs) and lp == PROMPT_LP
+    assert isinstance(decode(encode(samples()["TokenizedGenerateReq"][0])).logprob,
+                      LogprobOptions)
+
+
+def test_token_logprobs_since_and_extend() -> None:
+    lp = TokenLogprobs([-1.0, -2.0], [4, 5], [[-1.0], [-0.5]], [[4], [6]])
+    tail = lp.since(1)
+    assert tail == TokenLogprobs([-2.0], [5], [[-0.5]], [[6]])
+    tail.logprobs[0] = 0.0  # a copy: the source is unchanged
+    assert lp.logprobs == [-1.0, -2.0]
+    lp.extend(TokenLogprobs([-3.0], [7], [[-3.0]], [[7]]))
+    assert lp.token_ids == [4, 5, 7] and lp.top_ids == [[4], [6], [7]]
 
 
 def test_sampling_params_survive_the_wire() -> None:

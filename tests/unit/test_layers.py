@@ -335,7 +335,8 @@ class Seq:
         return self.runner.req_to_token_pool.req_to_token
 
 
-def run_extend(runner, seqs: list[Seq], prefixes: list[torch.Tensor] | None = None) -> torch.Tensor:
+def run_extend(runner, seqs: list[Seq], prefixes: list[torch.Tensor] | None = None,
+               prompt_logprobs=None) -> torch.Tensor:
     """Fill every sequence's uncomputed tokens (after an optional shared prefix of slots)."""
     prefixes = prefixes or [torch.empty(0, dtype=torch.int64)] * len(seqs)
     ids, positions, locs, pre_lens, ext_lens = [], [], [], [], []
@@ -362,7 +363,7 @@ def run_extend(runner, seqs: list[Seq], prefixes: list[torch.Tensor] | None = No
         seq_lens=torch.tensor(seq_lens), seq_lens_cpu=seq_lens,
         prefix_lens_cpu=pre_lens, extend_lens_cpu=ext_lens,
         req_to_token_pool=runner.req_to_token_pool, token_to_kv_pool=runner.token_to_kv_pool,
-        attn_backend=runner.attn_backend,
+        attn_backend=runner.attn_backend, prompt_logprobs=prompt_logprobs,
     )
     return runner.forward(fb)
 
@@ -440,3 +441,31 @@ def test_tiny_llama_ragged_batch_and_shared_prefix_match_transformers(tiny_llama
     logits = run_extend(runner, [c, d], [shared, torch.empty(0, dtype=torch.int64)])
     torch.testing.assert_close(logits[0], hf_last_logits(hf, c.ids), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits[1], hf_last_logits(hf, d.ids), rtol=1e-4, atol=1e-4)
+
+
+def test_tiny_llama_prompt_logprobs_match_transformers(tiny_llama, runner) -> None:
+    """The logits processor's prompt rows (EXTEND with a cached prefix, two requests, one of which
+    asks nothing) equal transformers' log_softmax at the same positions."""
+    from srt.layers.logprobs import PromptLogprobRequest, row_width
+
+    _, hf = tiny_llama
+    a = Seq(runner, [3, 9, 27, 81, 15, 45, 7, 21, 63])
+    run_extend(runner, [a])
+    shared = runner.req_to_token_pool.req_to_token[a.row, :2].long().clone()
+    b = Seq(runner, a.ids[:2] + [11, 22, 33, 44, 55, 66])
+    c = Seq(runner, [100, 90, 80, 70])
+    # b asks for tokens 3.. (positions 2.. predict them), c for nothing
+    rows = torch.tensor([p - 1 - 2 for p in range(3, 8)])
+    k = 4
+    out = torch.full((5, row_width(k)), float("nan"), dtype=torch.float64)
+    req = PromptLogprobRequest(rows, torch.tensor(b.ids[3:8]), k, out)
+    logits = run_extend(runner, [b, c], [shared, torch.empty(0, dtype=torch.int64)], req)
+    torch.testing.assert_close(logits[0], hf_last_logits(hf, b.ids), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([b.ids])).logits[0].float(), dim=-1)
+    for j, p in enumerate(range(3, 8)):
+        want = ref[p - 1]
+        assert out[j, 0].item() == pytest.approx(want[b.ids[p]].item(), abs=1e-4)
+        values, ids = want.topk(k)
+        torch.testing.assert_close(out[j, 1 : 1 + k].float(), values, rtol=0, atol=1e-4)
+        assert out[j, 1 + k :].long().tolist() == ids.tolist()

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from srt.layers.sampler import SamplingBatchInfo
+from srt.managers.io_struct import LogprobOptions, TokenLogprobs
 from srt.sampling_params import SamplingParams
 
 
@@ -18,6 +19,10 @@ class Req:
     KV state: while running, `req_pool_idx` is its row of req_to_token and the first `kv_len`
     columns hold its slots. The first `len(prefix_indices)` of those belong to the radix tree and
     are locked through `last_node`; the rest are the request's own until it is cached or freed.
+
+    Logprobs (when `logprob` is set): the prompt's are computed at the first fill only and wait in
+    `input_logprobs` until sent; `output_logprobs` has one entry per output id (kept across
+    retraction, like the ids), sent from `sent_len` on.
     """
 
     rid: str
@@ -35,6 +40,10 @@ class Req:
     finish_reason: dict[str, Any] | None = None
     sent_len: int = 0  # output ids already sent on
     retractions: int = 0
+    logprob: LogprobOptions | None = None
+    prompt_logprobs_done: bool = False
+    input_logprobs: TokenLogprobs | None = None  # computed, not sent yet
+    output_logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -52,6 +61,12 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and are not computed yet."""
+        return (self.logprob is not None and self.logprob.logprob_start_len >= 0
+                and not self.prompt_logprobs_done)
 
 
 def build_sampling_info(

@@ -28,9 +28,11 @@ from srt.managers.io_struct import (
     StepInput,
     StepOutput,
     TokenizedGenerateReq,
+    TokenLogprobs,
     TokenOut,
 )
 from srt.managers.router.infer_batch import Req, build_sampling_info
+from srt.managers.router.logprob_step import StepLogprobs, prefix_limit
 from srt.managers.router.model_runner import ModelRunner
 from srt.managers.router.radix_cache import RadixCache
 from srt.managers.router.scheduler import Admission, order_queue
@@ -125,7 +127,8 @@ class ModelRpcServer:
         )
         self.arrivals += 1
         self.waiting.append(
-            Req(r.rid, list(r.input_ids), params, r.stream, r.group, arrival=self.arrivals)
+            Req(r.rid, list(r.input_ids), params, r.stream, r.group, arrival=self.arrivals,
+                logprob=r.logprob)
         )
 
     def _abort(self, a: AbortReq, outs: list[TokenOut]) -> None:
@@ -188,8 +191,9 @@ class ModelRpcServer:
         if not self.waiting:
             return []
         for r in self.waiting:
-            # Keep at least one token to compute: its logits give the next token.
-            r.prefix_indices, r.last_node = self.tree.match_prefix(r.fill_ids[:-1])
+            # Keep at least one token to compute, and every prompt position whose logprobs are
+            # asked for: only computed positions have logits.
+            r.prefix_indices, r.last_node = self.tree.match_prefix(r.fill_ids[: prefix_limit(r)])
             r.extend_input_len = len(r.fill_ids) - len(r.prefix_indices)
         queue = order_queue(self.waiting, self.args.schedule_heuristic, self.rng, self.tree.root)
         adm = Admission.start(
@@ -215,9 +219,11 @@ class ModelRpcServer:
             ):
                 break
             batch.append(r)
-            if r.group is not None and not self.tree.disable and \
-                    len(r.prefix_indices) < len(r.origin_input_ids) - 1:
-                groups.add(r.group)  # this batch computes the group's prompt
+            if r.group is not None and not self.tree.disable and not r.wants_prompt_logprobs \
+                    and len(r.prefix_indices) < len(r.origin_input_ids) - 1:
+                # This batch computes the group's prompt. (Samples that want prompt logprobs
+                # compute it themselves anyway: they do not wait.)
+                groups.add(r.group)
         if batch:
             chosen = set(map(id, batch))
             self.waiting = [r for r in self.waiting if id(r) not in chosen]
@@ -259,14 +265,18 @@ class ModelRpcServer:
                 self.cached_tokens_total += pre
         prefix_lens = [len(r.prefix_indices) for r in batch]
         mode = ForwardMode.EXTEND if any(prefix_lens) else ForwardMode.PREFILL
-        next_ids = self._run(batch, mode, input_ids, positions, slots, prefix_lens, ext_lens)
-        for r, tok in zip(batch, next_ids):
+        next_ids, prompt_lps, out_lps = self._run(batch, mode, input_ids, positions, slots,
+                                                  prefix_lens, ext_lens)
+        for r, tok, prompt_lp, out_lp in zip(batch, next_ids, prompt_lps, out_lps):
             if not self.tree.disable:
                 self._cache_filled(r)
+            if prompt_lp is not None:
+                r.input_logprobs = prompt_lp
+                r.prompt_logprobs_done = True
             if r.sampling_params.max_new_tokens == 0 and not r.output_ids:
                 r.finish_reason = {"type": "length", "length": 0}
             else:
-                self._append_token(r, tok)
+                self._append_token(r, tok, out_lp)
         self._settle(batch, outs, newly_running=True)
 
     # ------------------------------------------------------------------ decode
@@ -282,11 +292,11 @@ class ModelRpcServer:
             table.device, torch.int32
         )
         input_ids = [r.output_ids[-1] for r in batch]
-        next_ids = self._run(
+        next_ids, _, out_lps = self._run(
             batch, ForwardMode.DECODE, input_ids, positions, slots, positions, [1] * len(batch)
         )
-        for r, tok in zip(batch, next_ids):
-            self._append_token(r, tok)
+        for r, tok, out_lp in zip(batch, next_ids, out_lps):
+            self._append_token(r, tok, out_lp)
         self.ratio.step()
         self._settle(batch, outs, newly_running=False)
 
@@ -328,7 +338,10 @@ class ModelRpcServer:
 
     def _run(self, batch: list[Req], mode: ForwardMode, input_ids: list[int],
              positions: list[int], out_cache_loc: torch.Tensor, prefix_lens: list[int],
-             extend_lens: list[int]) -> list[int]:
+             extend_lens: list[int]
+             ) -> tuple[list[int], list[TokenLogprobs | None], list[TokenLogprobs | None]]:
+        """One forward and sampling: (next ids, prompt logprobs, logprobs of the next ids) per
+        request of the batch (None where not asked)."""
         dev = self.runner.device
         if mode == ForwardMode.DECODE:
             seq_lens = [p + 1 for p in positions]
@@ -349,6 +362,10 @@ class ModelRpcServer:
             token_to_kv_pool=self.pool,
             attn_backend=self.runner.attn_backend,
         )
+        lps = None
+        if any(r.logprob is not None for r in batch):
+            lps = StepLogprobs(batch, mode, prefix_lens, extend_lens, dev)
+            fb.prompt_logprobs = lps.prompt_request
         logits = self.runner.forward(fb)
         info = build_sampling_info(
             batch, logits.shape[-1], dev, [self._stop_ids(r) for r in batch]
@@ -357,7 +374,11 @@ class ModelRpcServer:
         # Rank 0 samples for all: ranks hold bitwise-equal logits and generators, but one
         # small broadcast makes it impossible for their schedules to drift apart.
         ids = parallel_state.broadcast_from_first(ids)
-        return ids.tolist()  # the one device-to-host copy of the step
+        if lps is not None:
+            # Logprobs of the raw logits (the model's distribution), moved with the ids.
+            return lps.collect(logits, ids)
+        none: list[TokenLogprobs | None] = [None] * len(batch)
+        return ids.tolist(), none, none  # the one device-to-host copy of the step
 
     def _stop_ids(self, req: Req) -> set[int]:
         ids = set(req.sampling_params.stop_token_ids)
@@ -365,8 +386,10 @@ class ModelRpcServer:
             ids |= self.eos_ids
         return ids
 
-    def _append_token(self, req: Req, tok: int) -> None:
+    def _append_token(self, req: Req, tok: int, logprob: TokenLogprobs | None = None) -> None:
         req.output_ids.append(tok)
+        if logprob is not None:
+            req.output_logprobs.extend(logprob)
         self.generated_since_log += 1
         p = req.sampling_params
         if len(req.output_ids) >= p.min_new_tokens:
@@ -412,6 +435,8 @@ class ModelRpcServer:
 
     def _token_out(self, r: Req) -> TokenOut:
         new = r.output_ids[r.sent_len :]
+        out_lp = r.output_logprobs.since(r.sent_len) if r.logprob is not None else None
+        in_lp, r.input_logprobs = r.input_logprobs, None  # the prompt's are sent once
         r.sent_len = len(r.output_ids)
         p = r.sampling_params
         return TokenOut(
@@ -425,6 +450,9 @@ class ModelRpcServer:
             spaces_between_special_tokens=p.spaces_between_special_tokens,
             stop=list(p.stop),
             no_stop_trim=p.no_stop_trim,
+            input_logprobs=in_lp,
+            output_logprobs=out_lp,
+            return_text_in_logprobs=r.logprob is not None and r.logprob.return_text_in_logprobs,
         )
 
     # ------------------------------------------------------------------ radix cache hand-offs

@@ -1,0 +1,139 @@
+"""Logprobs of one forward step: which rows need them, the step's one host transfer, and the
+per-request results.
+
+Used only when some request of the batch asked for logprobs; otherwise the step copies its
+sampled ids to the host as before and nothing here runs.
+
+One float64 device buffer holds, in order: the sampled ids [bs], the prompt logprob rows and the
+output logprob rows (layout in srt/layers/logprobs.py). The logits processor writes the prompt
+rows during the forward; `collect` writes the ids and the output rows, then copies the buffer to
+the host once.
+
+Prompt logprobs (contract of `logprob_start_len = s`): entries for prompt tokens s .. L-1; the
+entry of token p needs the logits at position p - 1, so the scheduler computes the prompt from
+position max(s - 1, 0) on (the radix-cache match is cut there). Token 0 has no logprob (None).
+They are computed once, at the request's first fill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from srt.layers.forward_batch import ForwardMode
+from srt.layers.logprobs import PromptLogprobRequest, row_width, write_logprob_rows
+from srt.managers.io_struct import TokenLogprobs
+from srt.managers.router.infer_batch import Req
+
+
+@dataclass
+class _PromptSpan:
+    batch_index: int
+    start: int  # logprob_start_len: the prompt position of the first entry
+    first_row: int  # its first row among the step's prompt rows
+    n_rows: int
+    top_k: int
+
+
+def prefix_limit(req: Req) -> int:
+    """How many leading tokens of the request may come from the radix cache at this fill."""
+    limit = len(req.fill_ids) - 1  # at least one token is computed: its logits give the next
+    if req.wants_prompt_logprobs:
+        limit = min(limit, max(req.logprob.logprob_start_len - 1, 0))
+    return limit
+
+
+class StepLogprobs:
+    """Plan and buffer of one step. Build it before the forward (it sets the prompt request),
+    call `collect` after sampling."""
+
+    def __init__(self, batch: list[Req], mode: ForwardMode, prefix_lens: list[int],
+                 extend_lens: list[int], device: torch.device) -> None:
+        self.bs = len(batch)
+        self.reqs = batch
+        self.spans: list[_PromptSpan] = []
+        rows: list[int] = []
+        next_ids: list[int] = []
+        if mode.is_extend():
+            offset = 0
+            for i, (r, pre, ext) in enumerate(zip(batch, prefix_lens, extend_lens)):
+                if r.wants_prompt_logprobs:
+                    s = r.logprob.logprob_start_len
+                    prompt = r.origin_input_ids
+                    first = max(s, 1)  # token 0 has no logprob
+                    if first - 1 < pre:
+                        raise RuntimeError(f"prompt position {first - 1} of {r.rid} is cached "
+                                           "but its logprobs were asked for")
+                    self.spans.append(_PromptSpan(i, s, len(rows), len(prompt) - first,
+                                                  r.logprob.top_logprobs_num))
+                    rows.extend(offset + p - 1 - pre for p in range(first, len(prompt)))
+                    next_ids.extend(prompt[first:])
+                offset += ext
+        self.out_rows = [i for i, r in enumerate(batch) if r.logprob is not None]
+        self.prompt_k = max((sp.top_k for sp in self.spans), default=0)
+        self.out_k = max((batch[i].logprob.top_logprobs_num for i in self.out_rows), default=0)
+        self.prompt_shape = (len(rows), row_width(self.prompt_k))
+        self.out_shape = (len(self.out_rows), row_width(self.out_k))
+        n_prompt = self.prompt_shape[0] * self.prompt_shape[1]
+        n_out = self.out_shape[0] * self.out_shape[1]
+        self.buffer = torch.empty(self.bs + n_prompt + n_out, dtype=torch.float64, device=device)
+        self._prompt_view, self._out_view = self._split(self.buffer)
+        self.prompt_request: PromptLogprobRequest | None = None
+        if self.spans:
+            self.prompt_request = PromptLogprobRequest(
+                rows=torch.tensor(rows, dtype=torch.int64, device=device),
+                next_ids=torch.tensor(next_ids, dtype=torch.int64, device=device),
+                top_k=self.prompt_k,
+                out=self._prompt_view,
+            )
+
+    def collect(self, logits: torch.Tensor, next_ids: torch.Tensor
+                ) -> tuple[list[int], list[TokenLogprobs | None], list[TokenLogprobs | None]]:
+        """logits [bs, vocab] (raw), next_ids [bs] -> (next ids, prompt logprobs per request,
+        logprobs of each request's sampled token); None where not asked."""
+        self.buffer[: self.bs] = next_ids
+        if self.out_rows:
+            rows = torch.tensor(self.out_rows, dtype=torch.int64, device=logits.device)
+            write_logprob_rows(logits[rows], next_ids[rows], self.out_k, self._out_view)
+        host = self.buffer.cpu()  # the one device-to-host copy of the step
+        ids = [int(t) for t in host[: self.bs].tolist()]
+        prompt_host, out_host = self._split(host)
+        prompt_rows, out_rows = prompt_host.tolist(), out_host.tolist()
+        inputs: list[TokenLogprobs | None] = [None] * self.bs
+        for sp in self.spans:
+            prompt = self.reqs[sp.batch_index].origin_input_ids
+            lp = TokenLogprobs()
+            if sp.start == 0:
+                lp.logprobs.append(None)
+                lp.token_ids.append(prompt[0])
+                lp.top_logprobs.append(None)
+                lp.top_ids.append(None)
+            first = max(sp.start, 1)
+            for j in range(sp.n_rows):
+                _append_row(lp, prompt[first + j], prompt_rows[sp.first_row + j], self.prompt_k,
+                            sp.top_k)
+            inputs[sp.batch_index] = lp
+        outputs: list[TokenLogprobs | None] = [None] * self.bs
+        for j, i in enumerate(self.out_rows):
+            lp = TokenLogprobs()
+            _append_row(lp, ids[i], out_rows[j], self.out_k,
+                        self.reqs[i].logprob.top_logprobs_num)
+            outputs[i] = lp
+        return ids, inputs, outputs
+
+    def _split(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt rows and the output rows of the buffer (device or host copy)."""
+        n_prompt = self.prompt_shape[0] * self.prompt_shape[1]
+        prompt = buffer[self.bs : self.bs + n_prompt].view(self.prompt_shape)
+        return prompt, buffer[self.bs + n_prompt :].view(self.out_shape)
+
+
+def _append_row(lp: TokenLogprobs, token_id: int, row: list[float], width_k: int,
+                top_k: int) -> None:
+    """One host row (layout of srt/layers/logprobs.py, with width_k top columns) -> one entry
+    keeping the request's own top_k."""
+    lp.logprobs.append(row[0])
+    lp.token_ids.append(token_id)
+    lp.top_logprobs.append(row[1 : 1 + top_k])
+    lp.top_ids.append([int(t) for t in row[1 + width_k : 1 + width_k + top_k]])
