@@ -3,10 +3,13 @@
 Tensor parallelism shards every expert like the dense MLP: each rank holds a slice of every expert's
 intermediate dimension (w1/w3 column-parallel, w2 row-parallel), computes its partial output for
 the tokens routed to each expert, and the partial outputs are all-reduced once per layer. Routing is
-computed identically on every rank from the replicated router weights.
+computed identically on every rank from the replicated router weights. On a GPU the experts run in
+the fused Triton kernel of moe_triton.py; elsewhere in the torch loop below.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +17,10 @@ from torch import nn
 
 from srt.layers import parallel_state as ps
 from srt.layers.linear import _divide
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +89,12 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route_topk(router_logits, self.top_k)
-        out = moe_forward_torch(x, self.w13_weight, self.w2_weight, weights, ids)
+        if x.is_cuda and _triton_available():
+            from srt.layers.moe_triton import fused_moe_triton
+
+            out = fused_moe_triton(x, self.w13_weight, self.w2_weight, weights, ids)
+        else:
+            out = moe_forward_torch(x, self.w13_weight, self.w2_weight, weights, ids)
         return ps.all_reduce(out)
 
 
