@@ -64,7 +64,9 @@ def align_pairs_by_expert(
     num_pairs = flat.numel()
     cap = num_pairs + num_experts * (block_m - 1)
     cap = (cap + block_m - 1) // block_m * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add rather than bincount, whose output size (and so a host sync) depends on the data
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     order = flat.argsort(stable=True)
