@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class ModelConfig:
     context_len: int
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None
 
     @classmethod
     def load(cls, path: str, context_length: int | None = None) -> "ModelConfig":
@@ -34,6 +38,16 @@ class ModelConfig:
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         ctx = context_length or getattr(cfg, "max_position_embeddings", None) or 2048
+        window = sliding_window(cfg)
+        if window is not None and ctx > window:
+            # No backend restricts attention to a window; within the window full attention is
+            # the same thing, so the context is capped there and longer requests get a 400.
+            logger.warning(
+                "the model uses sliding-window attention (window %d), which srt does not "
+                "implement: the context length is capped at %d tokens (was %d); longer "
+                "requests are refused", window, window, ctx,
+            )
+            ctx = window
         eos: set[int] = set()
         for src in (cfg, _generation_config(path, GenerationConfig)):
             value = getattr(src, "eos_token_id", None) if src is not None else None
@@ -55,6 +69,7 @@ class ModelConfig:
             context_len=int(ctx),
             torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
             eos_token_ids=tuple(sorted(eos)),
+            sliding_window=window,
         )
 
 
@@ -63,6 +78,15 @@ def _generation_config(path: str, gen_cls: Any) -> Any:
         return gen_cls.from_pretrained(path)
     except OSError:  # no generation_config.json: the model config's eos is all there is
         return None
+
+
+def sliding_window(hf_config: Any) -> int | None:
+    """The attention window of a config that uses one (Mistral, Mixtral; Qwen2/3 only when
+    `use_sliding_window` is set), else None."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
 
 
 def rope_params(hf_config: Any) -> tuple[float, dict[str, Any] | None]:

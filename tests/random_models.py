@@ -18,30 +18,50 @@ def save_word_tokenizer(path: str, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
-def save_random_llama(path: str, dtype: str = "float32", seed: int = 0, init_std: float = 0.08,
+SMALL_CONFIG: dict[str, Any] = dict(
+    hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-5,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=1, pad_token_id=0)
+
+
+def save_random_model(path: str, config_cls: Any, model_cls: Any, dtype: str = "float32",
+                      seed: int = 0, init_std: float = 0.08, random_vectors: bool = False,
                       **overrides: Any) -> str:
-    """A random LlamaForCausalLM (and a tokenizer) saved under `path`; returns `path`.
+    """A random `model_cls(config_cls(**SMALL_CONFIG | overrides))` and a word tokenizer saved
+    under `path`; returns `path`.
 
-    init_std: the normal std of every matrix. 0.08 makes greedy tokens far from near-ties in
-    float32; in bf16 such large weights make the network chaotic (measured on CPU with transformers,
-    4 layers, hidden 1024: bf16 argmax equals float32 argmax at 80% of positions with 0.08, 96%
-    with 0.02, 98% with 0.015), so bf16 comparisons use a small std."""
+    init_std: the normal std of every matrix (and stacked expert tensor). 0.08 makes greedy tokens
+    far from near-ties in float32; in bf16 such large weights make the network chaotic (measured
+    on CPU with transformers, 4 layers, hidden 1024: bf16 argmax equals float32 argmax at 80% of
+    positions with 0.08, 96% with 0.02, 98% with 0.015), so bf16 comparisons use a small std.
+    random_vectors: biases N(0, init_std) and norm weights 1 + N(0, 0.2) instead of HF's zeros
+    and ones, so that loading them wrongly changes the tokens."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-               num_attention_heads=8, num_key_value_heads=4, vocab_size=512,
-               max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
-               bos_token_id=1, eos_token_id=1, pad_token_id=0)
-    cfg.update(overrides)
+    cfg = {**SMALL_CONFIG, **overrides}
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).to(getattr(torch, dtype))
+    model = model_cls(config_cls(**cfg)).to(getattr(torch, dtype))
     # Larger weights than the default init so greedy tokens are not dominated by near-ties.
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 p.normal_(0.0, init_std)
+        if random_vectors:
+            for name, p in model.named_parameters():
+                if p.dim() == 1 and "norm" in name:
+                    p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                elif p.dim() == 1:
+                    p.normal_(0.0, init_std)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     save_word_tokenizer(path, cfg["vocab_size"])
     return path
+
+
+def save_random_llama(path: str, dtype: str = "float32", seed: int = 0, init_std: float = 0.08,
+                      **overrides: Any) -> str:
+    """A random LlamaForCausalLM (and a tokenizer) saved under `path`; see save_random_model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return save_random_model(path, LlamaConfig, LlamaForCausalLM, dtype, seed, init_std,
+                             **overrides)

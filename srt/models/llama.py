@@ -1,7 +1,11 @@
-"""Llama (Llama 2/3, SmolLM2) from our tensor-parallel layers."""
+"""Llama (Llama 2/3, SmolLM2) from our tensor-parallel layers, and the decoder the other
+Llama-shaped families reuse (Mistral, Qwen2, Qwen3, Mixtral): what differs between them is said by
+`ArchOptions` (projection biases, per-head q/k norm, a mixture-of-experts MLP)."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -13,9 +17,19 @@ from srt.layers.forward_batch import ForwardBatch
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from srt.layers.logits_processor import LogitsProcessor
+from srt.layers.moe import SparseMoeBlock
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary import RotaryEmbedding
 from srt.model_config import rope_params
+
+
+@dataclass(frozen=True)
+class ArchOptions:
+    qkv_bias: bool = False  # biases on the q, k and v projections
+    o_bias: bool = False  # bias on the output projection
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3)
+    moe: bool = False  # the MLP is a top-k mixture of experts (Mixtral's block_sparse_moe)
 
 
 class LlamaMLP(nn.Module):
@@ -30,18 +44,23 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, max_position: int) -> None:
+    def __init__(self, config: Any, layer_id: int, max_position: int, opts: ArchOptions) -> None:
         super().__init__()
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, kv_heads, bias=bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, heads, kv_heads, bias=opts.qkv_bias
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, bias=opts.o_bias)
+        self.qk_norm = opts.qk_norm
+        if opts.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         theta, scaling = rope_params(config)
         self.rotary_emb = RotaryEmbedding(head_dim, max_position, theta, scaling)
         self.attn = RadixAttention(
@@ -51,22 +70,28 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(
-            positions,
-            q.reshape(-1, self.num_heads, self.head_dim),
-            k.reshape(-1, self.num_kv_heads, self.head_dim),
-        )
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v)
         return self.o_proj(o)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, max_position: int) -> None:
+    def __init__(self, config: Any, layer_id: int, max_position: int, opts: ArchOptions) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, max_position)
-        self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False))
-        )
+        self.self_attn = LlamaAttention(config, layer_id, max_position, opts)
+        self.moe = opts.moe
+        if opts.moe:
+            # Mixtral's checkpoint name for the MLP
+            self.block_sparse_moe = SparseMoeBlock(
+                config.hidden_size, config.intermediate_size, config.num_local_experts,
+                config.num_experts_per_tok,
+            )
+        else:
+            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, opts.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -80,15 +105,16 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return (self.block_sparse_moe(x) if self.moe else self.mlp(x)), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, max_position: int) -> None:
+    def __init__(self, config: Any, max_position: int, opts: ArchOptions) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, max_position) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, max_position, opts)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -110,11 +136,23 @@ class LlamaForCausalLM(nn.Module):
         (".gate_proj", ".gate_up_proj", 0),
         (".up_proj", ".gate_up_proj", 1),
     ]
+    # a mixture of experts' per-expert tensors -> (our parameter, shard id); see FusedMoE
+    expert_params = {
+        "w1": ("w13_weight", "w1"), "w3": ("w13_weight", "w3"), "w2": ("w2_weight", "w2")
+    }
+    _expert_name = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
+
+    @classmethod
+    def arch_options(cls, config: Any) -> ArchOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return ArchOptions(
+            qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False))
+        )
 
     def __init__(self, config: Any, max_position: int) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_position)
+        self.model = LlamaModel(config, max_position, self.arch_options(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -139,6 +177,16 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            expert = self._expert_name.match(name)
+            if expert is not None:
+                prefix, expert_id, which = expert.groups()
+                param_name, shard = self.expert_params[which]
+                target = f"{prefix}.{param_name}"
+                self.get_submodule(prefix).weight_loader(
+                    params[target], tensor, int(expert_id), shard
+                )
+                loaded.add(target)
                 continue
             for src, dst, shard in self.stacked_params:
                 if src in name:

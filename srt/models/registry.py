@@ -6,6 +6,10 @@ import importlib
 
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "srt.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "srt.models.mistral:MistralForCausalLM",
+    "MixtralForCausalLM": "srt.models.mixtral:MixtralForCausalLM",
+    "Qwen2ForCausalLM": "srt.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "srt.models.qwen3:Qwen3ForCausalLM",
 }
 
 

@@ -1,0 +1,121 @@
+"""Mixture-of-experts MLP (Mixtral): a replicated router picks the top-k experts of each token.
+
+Tensor parallelism shards every expert like the dense MLP: each rank holds a slice of every expert's
+intermediate dimension (w1/w3 column-parallel, w2 row-parallel), computes its partial output for
+the tokens routed to each expert, and the partial outputs are all-reduced once per layer. Routing is
+computed identically on every rank from the replicated router weights. On a GPU the experts run in
+the fused Triton kernel of moe_triton.py; elsewhere in the torch loop below.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt.layers import parallel_state as ps
+from srt.layers.linear import _divide
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in float32, keep the top k, renormalize them to sum to 1.
+
+    Returns (weights [T, k] float32, expert ids [T, k] int64)."""
+    probs = router_logits.float().softmax(dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+def moe_forward_torch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The plain torch path (CPU, and the reference of the fused kernel).
+
+    x: [T, H]; w13: [E, 2 * I, H] (gate rows then up rows); w2: [E, H, I];
+    topk_weights, topk_ids: [T, k]. Returns sum_j weight_j * expert_{id_j}(x) as [T, H]."""
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    # the (token, choice) pairs sorted by expert, so each expert's tokens are one contiguous run
+    order = flat_ids.argsort(stable=True)
+    tokens = order // top_k
+    weights = topk_weights.reshape(-1)[order].to(x.dtype)
+    # One host sync per layer to learn the run lengths; the GPU path does not need it.
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = tokens[start : start + n]
+        gate, up = F.linear(x.index_select(0, tok), w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]) * weights[start : start + n, None]
+        out.index_add_(0, tok, y)
+        start += n
+    return out
+
+
+class FusedMoE(nn.Module):
+    """Every expert's weights stacked: w13_weight [E, 2 * I/tp, H], w2_weight [E, H, I/tp]."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = ps.tp_rank(), ps.tp_size()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.inter_per_rank = _divide(intermediate, self.tp_size, "expert intermediate size")
+        n = self.inter_per_rank
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * n, hidden), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, n), requires_grad=False)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard_id: str
+    ) -> None:
+        """One expert's checkpoint tensor: w1 (gate) and w3 (up) [I, H], w2 (down) [H, I]."""
+        n = self.inter_per_rank
+        if shard_id == "w2":
+            param.data[expert_id].copy_(loaded.narrow(1, self.tp_rank * n, n))
+            return
+        offset = 0 if shard_id == "w1" else n
+        param.data[expert_id].narrow(0, offset, n).copy_(loaded.narrow(0, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_topk(router_logits, self.top_k)
+        if x.is_cuda and _triton_available():
+            from srt.layers.moe_triton import fused_moe_triton
+
+            out = fused_moe_triton(x, self.w13_weight, self.w2_weight, weights, ids)
+        else:
+            out = moe_forward_torch(x, self.w13_weight, self.w2_weight, weights, ids)
+        return ps.all_reduce(out)
+
+
+class ReplicatedLinear(nn.Module):
+    """A small linear layer every rank holds whole (the router)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class SparseMoeBlock(nn.Module):
+    """Mixtral's `block_sparse_moe`: `gate` (the router) and `experts`."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.gate = ReplicatedLinear(hidden, num_experts)
+        self.experts = FusedMoE(num_experts, top_k, hidden, intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x))

@@ -1,0 +1,123 @@
+"""A fused mixture-of-experts kernel for the GPU (tested on the CPU in Triton's interpreter).
+
+The (token, choice) pairs are sorted by expert and each expert's run is padded to a multiple of
+BLOCK_M, so that every block of BLOCK_M rows belongs to one expert; one grouped GEMM kernel then
+runs twice: x @ w13[e]^T for the gate/up projection, and act @ w2[e]^T times the routing weight
+for the down projection. The padding is laid out on the device with a fixed upper bound on its
+size, so nothing waits for the host; padded rows point past the last pair and are masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+BLOCK_M = 16
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, w_ptr, c_ptr, weight_ptr, sorted_pairs_ptr, block_expert_ptr,
+    num_pairs, N, K,
+    stride_am, stride_we, stride_wn, stride_wk, stride_cm,
+    A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """c[pair] = a[pair // A_ROW_DIV] @ w[expert of the block]^T (times weight[pair])."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m)
+    valid = pairs < num_pairs
+    rows = tl.where(valid, pairs // A_ROW_DIV, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        a = tl.load(a_ptr + rows[:, None] * stride_am + kk[None, :],
+                    mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
+                    + kk[:, None] * stride_wk,
+                    mask=(offs_n[None, :] < N) & (kk[:, None] < K), other=0.0)
+        if IEEE:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weight_ptr + pairs, mask=valid, other=0.0)[:, None]
+    tl.store(c_ptr + pairs[:, None] * stride_cm + offs_n[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+def align_pairs_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs [P], block_expert [P // block_m]) with P an upper bound fixed by the shapes.
+
+    sorted_pairs lists the flattened (token, choice) indices grouped by expert, each expert's run
+    padded to a multiple of block_m with `num_pairs` (an index past the end: masked)."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    cap = num_pairs + num_experts * (block_m - 1)
+    cap = (cap + block_m - 1) // block_m * block_m
+    # scatter_add rather than bincount, whose output size (and so a host sync) depends on the data
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    experts_sorted = flat[order]
+    rank_in_expert = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[
+        experts_sorted]
+    dest = (padded_end - padded)[experts_sorted] + rank_in_expert
+    sorted_pairs = torch.full((cap,), num_pairs, dtype=torch.int64, device=flat.device)
+    sorted_pairs[dest] = order
+    block_start = torch.arange(0, cap, block_m, device=flat.device)
+    # blocks past the last expert's run hold only padding; any valid expert index will do
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).clamp_(
+        max=num_experts - 1)
+    return sorted_pairs, block_expert
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, weights: torch.Tensor,
+                  sorted_pairs: torch.Tensor, block_expert: torch.Tensor, a_row_div: int,
+                  mul_weight: bool) -> None:
+    num_pairs = c.shape[0]
+    n, k = w.shape[1], w.shape[2]
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, w, c, weights, sorted_pairs, block_expert, num_pairs, n, k,
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, IEEE=a.dtype == torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+
+
+def fused_moe_triton(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as srt.layers.moe.moe_forward_torch; writes into `out` when given."""
+    num_tokens, top_k = topk_ids.shape
+    hidden = x.shape[1]
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, w13.shape[0])
+    num_pairs = num_tokens * top_k
+    weights = topk_weights.reshape(-1).float().contiguous()
+    gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, weights, sorted_pairs, block_expert, top_k, False)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = (F.silu(gate) * up).contiguous()
+    down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w2, down, weights, sorted_pairs, block_expert, 1, True)
+    result = down.view(num_tokens, top_k, hidden).sum(dim=1)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

@@ -1,0 +1,145 @@
+"""Each supported architecture besides Llama, served by the real server in float32 on a small
+random checkpoint, gives transformers' greedy tokens; Mixtral also under --tp-size 2 (gloo).
+Mistral's sliding window caps the context: a longer request is a 400. An unsupported
+architecture is a clear start-up error."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import requests
+
+from tests.conftest import REPO, ServerProcess
+from tests.random_models import save_random_model
+
+# 8 prompts of varied lengths (1 to 12 tokens); with NEW_TOKENS they stay within Mistral's window
+PROMPTS = [[5 + i, 17, 99, 3, 42 + i, 7, 250, 31, 64, 11, 300, 8][:n]
+           for i, n in enumerate([1, 2, 3, 5, 7, 9, 11, 12])]
+NEW_TOKENS = 8
+GREEDY = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+WINDOW = 24
+SMALL = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+             num_key_value_heads=4)
+
+# architecture -> (transformers config and model class names, config overrides)
+MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=128)),
+}
+
+
+def hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy continuation: argmax of the full forward, n times (no eos stop)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            seq = list(ids)
+            for _ in range(n):
+                logits = model(torch.tensor([seq])).logits[0, -1]
+                seq.append(int(logits.argmax()))
+            outs.append(seq[len(ids):])
+    return outs
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: Any) -> Any:
+    """name -> (path, transformers' greedy tokens), built on first use."""
+    import transformers
+
+    cache: dict[str, tuple[str, list[list[int]]]] = {}
+
+    def get(name: str) -> tuple[str, list[list[int]]]:
+        if name not in cache:
+            cfg_cls, model_cls, overrides = MODELS[name]
+            path = save_random_model(
+                str(tmp_path_factory.mktemp(name)), getattr(transformers, cfg_cls),
+                getattr(transformers, model_cls), random_vectors=True, **{**SMALL, **overrides})
+            cache[name] = (path, hf_greedy(path, PROMPTS, NEW_TOKENS))
+        return cache[name]
+
+    return get
+
+
+def _serve(path: str, *extra: str) -> ServerProcess:
+    return ServerProcess(["--model-path", path, "--device", "cpu", "--dtype", "float32",
+                          "--random-seed", "0", "--max-total-tokens", "512", *extra]).start()
+
+
+def _greedy(srv: ServerProcess) -> list[list[int]]:
+    return [r["output_ids"] for r in
+            srv.generate({"input_ids": PROMPTS, "sampling_params": GREEDY})]
+
+
+@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "mixtral"])
+def test_greedy_equals_transformers(checkpoints: Any, name: str) -> None:
+    path, expected = checkpoints(name)
+    srv = _serve(path)
+    try:
+        assert _greedy(srv) == expected
+        srv.assert_kv_invariant()
+    finally:
+        srv.stop()
+
+
+def test_mixtral_tp2_equals_transformers(checkpoints: Any) -> None:
+    path, expected = checkpoints("mixtral")
+    srv = _serve(path, "--tp-size", "2")
+    try:
+        assert srv.server_info()["tp_size"] == 2
+        assert _greedy(srv) == expected
+        srv.assert_kv_invariant()
+    finally:
+        srv.stop()
+
+
+def test_mistral_within_window_and_longer_refused(checkpoints: Any) -> None:
+    path, expected = checkpoints("mistral")
+    srv = _serve(path)
+    try:
+        assert _greedy(srv) == expected
+        assert "sliding-window attention (window 24)" in srv.log()
+        # 20 + 8 tokens > the window: refused at validation, before anything is scheduled
+        r = requests.post(srv.url + "/generate", timeout=60, json={
+            "input_ids": list(range(2, 22)), "sampling_params": GREEDY})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded", err
+        assert "exceeds the context length 24" in err["message"], err
+        srv.assert_kv_invariant()
+    finally:
+        srv.stop()
+
+
+def test_unsupported_architecture_is_a_startup_error(checkpoints: Any,
+                                                     tmp_path: Any) -> None:
+    path, _ = checkpoints("qwen3")
+    bad = str(tmp_path / "bad")
+    shutil.copytree(path, bad)
+    with open(os.path.join(bad, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = ["FooForCausalLM"]
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    proc = subprocess.run(
+        [sys.executable, "-m", "srt.server", "--model-path", bad, "--device", "cpu",
+         "--port", "0", "--max-total-tokens", "256"],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
+    assert proc.returncode != 0
+    assert ("unsupported architecture 'FooForCausalLM'; supported: LlamaForCausalLM, "
+            "MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+            ) in proc.stderr
