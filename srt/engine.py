@@ -76,12 +76,14 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None,
-                 rid: str | list[str] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+                 rid: str | list[str] | None = None,
+                 **fields: Any) -> dict[str, Any] | list[dict[str, Any]]:
         """Like POST /generate with the same fields: text (`prompt`) or `input_ids`, a single
-        prompt or a list. Returns the final result(s)."""
+        prompt or a list; other /generate fields (`return_logprob`, `logprob_start_len`,
+        `top_logprobs_num`, ...) as keywords. Returns the final result(s)."""
         if self._rt is None:
             raise RuntimeError("the engine is shut down")
-        body: dict[str, Any] = {}
+        body: dict[str, Any] = dict(fields)
         if prompt is not None:
             body["text"] = prompt
         if input_ids is not None:

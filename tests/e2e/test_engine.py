@@ -32,6 +32,12 @@ def test_generate_equals_http(engine: Any, server: Any) -> None:
     assert one["meta_info"]["cached_tokens"] > 0  # the prompt's KV came from the radix cache
     ids = engine.generate(input_ids=want[1]["output_ids"][:4], sampling_params=GREEDY)
     assert ids["meta_info"]["prompt_tokens"] == 4
+    lp = engine.generate(PROMPTS[2], GREEDY, return_logprob=True, top_logprobs_num=2)
+    http = server.generate({"text": PROMPTS[2], "sampling_params": GREEDY,
+                            "return_logprob": True, "top_logprobs_num": 2})
+    got_lp = [x[0] for x in lp["meta_info"]["output_token_logprobs"]]
+    want_lp = [x[0] for x in http["meta_info"]["output_token_logprobs"]]
+    assert len(got_lp) == 12 and got_lp == pytest.approx(want_lp, abs=1e-5)
 
 
 def test_bad_input_raises_request_error(engine: Any) -> None:
