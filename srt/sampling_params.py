@@ -8,6 +8,7 @@ processes trust what they receive.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,11 +45,24 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     seed: int | None = None
+    # Constrained decoding: the output must fully match `regex`, or be JSON valid under
+    # `json_schema` (canonical JSON text of the schema). At most one of the two.
+    regex: str | None = None
+    json_schema: str | None = None
 
     @property
     def is_greedy(self) -> bool:
         # Temperatures this small would overflow logits / t: they mean greedy.
         return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def constraint_key(self) -> str | None:
+        """Identifies the constraint (the FSM cache key), or None when unconstrained."""
+        if self.regex is not None:
+            return "regex:" + self.regex
+        if self.json_schema is not None:
+            return "json_schema:" + self.json_schema
+        return None
 
     @property
     def uses_penalties(self) -> bool:
@@ -108,6 +122,10 @@ class SamplingParams:
             raise SamplingParamError("n", "n must be <= 128")
         if any(s == "" for s in self.stop):
             raise SamplingParamError("stop", "stop strings must not be empty")
+        if self.regex is not None and self.json_schema is not None:
+            raise SamplingParamError("regex", "give at most one of regex and json_schema")
+        if self.regex == "":
+            raise SamplingParamError("regex", "regex must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise SamplingParamError("stop_token_ids", "stop_token_ids must be >= 0")
 
@@ -153,6 +171,20 @@ def _coerce(name: str, value: Any) -> Any:
                 raise SamplingParamError(name, "stop strings must be valid Unicode text")
             return tuple(stops)
         raise SamplingParamError(name, "stop must be a string or a list of strings")
+    if name == "regex":
+        if not isinstance(value, str) or not is_valid_utf8(value):
+            raise SamplingParamError(name, "regex must be a string")
+        return value
+    if name == "json_schema":
+        if not isinstance(value, (str, dict)):
+            raise SamplingParamError(name, "json_schema must be an object or a JSON string")
+        try:
+            schema = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(schema, dict):
+                raise ValueError("not an object")
+            return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        except (ValueError, TypeError) as e:
+            raise SamplingParamError(name, f"json_schema must be a JSON object: {e}") from None
     if name == "stop_token_ids":
         if isinstance(value, list) and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value

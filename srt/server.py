@@ -128,6 +128,7 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
         return await _openai_answer(request, parsed, c, chat=True)
 
     async def _openai_answer(request: Request, parsed: Any, c: dict[str, Any], chat: bool) -> Any:
+        await tm.check_constraints(parsed)
         tm.submit(parsed)
         if c["stream"]:
             return StreamingResponse(openai.stream(parsed, c, chat, request.is_disconnected),
@@ -141,6 +142,7 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
     @app.post("/generate")
     async def generate(request: Request) -> Any:
         parsed = tm.parse_generate_request(await read_json(request))
+        await tm.check_constraints(parsed)
         tm.submit(parsed)
         if parsed.stream:
             return StreamingResponse(_sse(request, parsed), media_type="text/event-stream")

@@ -70,6 +70,12 @@ class ServerArgs:
                                        "model path).")
     chat_template: str | None = _f(None, "A Jinja chat template file to use instead of the "
                                    "tokenizer's.")
+    constrained_cache_size: int = _f(64, "Compiled regex / JSON-schema FSMs kept per process "
+                                     "(least recently used dropped first).")
+    constrained_compile_timeout: float = _f(10.0, "Seconds a regex / JSON schema may take to "
+                                            "compile before the request is refused (400).")
+    constrained_max_states: int = _f(100000, "Most FSM states a regex / JSON schema may "
+                                     "compile to before the request is refused (400).")
     log_level: str = _f("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_stats_interval: float = _f(5.0, "Seconds between stats lines while busy.")
 

@@ -22,6 +22,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from srt.constrained.fsm import JSON_OBJECT_REGEX
 from srt.managers.token_bytes import TokenBytes
 from srt.managers.tokenizer_manager import (
     MAX_TOP_LOGPROBS,
@@ -39,12 +40,34 @@ _SAMPLING_FIELDS = {
     "top_k": "top_k", "min_p": "min_p", "ignore_eos": "ignore_eos",
     "stop_token_ids": "stop_token_ids", "min_tokens": "min_new_tokens",
     "skip_special_tokens": "skip_special_tokens", "repetition_penalty": "repetition_penalty",
-    "no_stop_trim": "no_stop_trim",
+    "no_stop_trim": "no_stop_trim", "regex": "regex", "json_schema": "json_schema",
 }
 _IGNORED = {"user", "metadata", "store", "service_tier", "stream_options", "model", "stream",
             "max_tokens", "max_completion_tokens"}
-_NOT_YET = {"tools", "tool_choice", "functions", "function_call", "response_format",
-            "logit_bias", "suffix", "regex", "json_schema"}
+_NOT_YET = {"tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix"}
+
+
+def _response_format(value: Any) -> dict[str, Any]:
+    """response_format -> the native constraint parameter it means ({} for plain text)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise RequestError("response_format must be an object with a type", "response_format",
+                           "invalid_type")
+    kind = value["type"]
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"regex": JSON_OBJECT_REGEX}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError("response_format json_schema needs json_schema.schema (an "
+                               "object)", "response_format", "invalid_type")
+        return {"json_schema": schema}
+    raise RequestError(f"response_format type {kind!r} is not supported (text, json_object, "
+                       "json_schema)", "response_format", "unsupported")
 
 
 def _finish_reason(reason: dict[str, Any] | None) -> str | None:
@@ -90,7 +113,7 @@ class OpenAIAdapter:
             raise RequestError(f"{name} is not supported yet", name, "unsupported")
         self._check_best_of(body)
         unknown = sorted(set(body) - _IGNORED - set(_SAMPLING_FIELDS) - endpoint_fields
-                         - {"best_of", "rid"})
+                         - {"best_of", "rid", "response_format"})
         if unknown:
             raise RequestError(f"unknown field {unknown[0]!r}", unknown[0], "unknown_field")
         stream = body.get("stream", False)
@@ -102,6 +125,11 @@ class OpenAIAdapter:
                                "invalid_type")
         params = {native: body[name] for name, native in _SAMPLING_FIELDS.items()
                   if body.get(name) is not None}
+        fmt = _response_format(body.get("response_format"))
+        if fmt and ("regex" in params or "json_schema" in params):
+            raise RequestError("give at most one of response_format, regex and json_schema",
+                               "response_format")
+        params.update(fmt)
         extra = {"rid": body["rid"]} if body.get("rid") is not None else {}
         return {"stream": stream, "include_usage": bool(options.get("include_usage")),
                 "params": params, "extra": extra}

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import zmq
 import zmq.asyncio
 
+from srt.constrained.fsm import FSMCache, constraint_regex
 from srt.managers.comm import AsyncPullSocket, PushSocket
 from srt.managers.io_struct import (
     AbortReq,
@@ -151,6 +152,7 @@ class TokenizerManager:
         self.user_rids: set[str] = set()  # client rids of requests in flight
         self.control_waiters: dict[str, asyncio.Future] = {}
         self._loop_task: asyncio.Task | None = None
+        self.fsm_cache: FSMCache | None = None  # built at the first constrained request
 
     # ------------------------------------------------------------------ results
 
@@ -237,6 +239,45 @@ class TokenizerManager:
             seen.add(r.rid)
         is_batch = is_batch or any(p.n > 1 for p in params)
         return ParsedRequest(reqs, stream, is_batch)
+
+    async def check_constraints(self, parsed: ParsedRequest) -> None:
+        """Compile every regex / JSON schema of the request once here, off the event loop, so
+        that an invalid or too costly pattern is a 400 before anything is scheduled (the model
+        processes then compile it again, in bounded time, from their own caches)."""
+        seen: set[str] = set()
+        for r in parsed.reqs:
+            key = r.params.constraint_key
+            if key is None or key in seen:
+                continue
+            seen.add(key)
+            field_name = "regex" if r.params.regex is not None else "json_schema"
+            try:
+                pattern = constraint_regex(r.params.regex, r.params.json_schema)
+            except ValueError as e:
+                raise RequestError(f"unsupported JSON schema: {e}", field_name) from None
+            if self.fsm_cache is None:
+                self.fsm_cache = FSMCache(self.tokenizer, self._eos_id(),
+                                          self.args.constrained_cache_size)
+            fut = self.fsm_cache.get(pattern)
+            try:
+                fsm = await asyncio.wait_for(asyncio.wrap_future(fut),
+                                             self.args.constrained_compile_timeout)
+            except asyncio.TimeoutError:
+                raise RequestError(
+                    f"{field_name} took longer than {self.args.constrained_compile_timeout} s "
+                    "to compile", field_name) from None
+            except ValueError as e:
+                raise RequestError(f"invalid {field_name}: {e}", field_name) from None
+            if fsm.num_states > self.args.constrained_max_states:
+                raise RequestError(
+                    f"{field_name} compiles to {fsm.num_states} states (at most "
+                    f"{self.args.constrained_max_states})", field_name)
+            if not fsm.allowed_tokens(fsm.initial_state).numel():
+                raise RequestError(f"{field_name} admits no output", field_name)
+
+    def _eos_id(self) -> int:
+        eos = self.tokenizer.eos_token_id
+        return int(eos) if eos is not None else self.limits.vocab_size
 
     def _parse_text(self, text: Any) -> tuple[list[str], bool]:
         if isinstance(text, str):

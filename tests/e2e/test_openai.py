@@ -357,7 +357,7 @@ def _assert_error(e: openai.APIStatusError, status: int, code: str, param: str) 
      "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
      openai.BadRequestError, 400, "unsupported", "tools"),
-    ({"response_format": {"type": "json_object"}}, openai.BadRequestError, 400, "unsupported",
+    ({"response_format": {"type": "xml"}}, openai.BadRequestError, 400, "unsupported",
      "response_format"),
     ({"stream_options": "x"}, openai.BadRequestError, 400, "invalid_type", "stream_options"),
 ])

@@ -44,6 +44,16 @@ class Req:
     prompt_logprobs_done: bool = False
     input_logprobs: TokenLogprobs | None = None  # computed, not sent yet
     output_logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)
+    # Constrained decoding: the FSM compile in flight (set while waiting for it), then the shared
+    # compiled FSM and this request's state in it (advanced by every appended output token).
+    fsm_future: Any = None
+    fsm: Any = None
+    fsm_state: int = 0
+
+    @property
+    def fsm_pending(self) -> bool:
+        """Constrained, and its FSM not agreed ready yet: not admitted."""
+        return self.fsm_future is not None and self.fsm is None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import logging
 import random
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from srt.constrained.fsm import FSMCache, constraint_regex
+from srt.constrained.mask import constrained_forbidden, merge_forbidden
 from srt.layers import parallel_state
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.sampler import sample
@@ -86,6 +89,7 @@ class ModelRpcServer:
         self.ratio = TokenRatio.from_conservativeness(args.schedule_conservativeness)
         self.rng = random.Random(args.random_seed)
         self.arrivals = 0
+        self.fsm_cache: FSMCache | None = None  # built at the first constrained request
         self.eos_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
@@ -105,6 +109,7 @@ class ModelRpcServer:
         for a in inp.aborts:
             self._abort(a, outs)
         controls = [self._control(c) for c in inp.controls]
+        self._resolve_compiles(outs)
         batch = self._new_fill_batch()
         if batch:
             self._forward_fill(batch, outs)
@@ -114,6 +119,8 @@ class ModelRpcServer:
                 if not self.running:
                     break
                 self._forward_decode(outs)
+        elif self.waiting and all(r.fsm_pending for r in self.waiting):
+            time.sleep(0.001)  # only FSM compiles pending: do not spin the router at full speed
         self._maybe_log()
         token_out = BatchTokenIdOut(outs) if outs else None
         return StepOutput(token_out, controls, has_work=bool(self.running or self.waiting))
@@ -126,10 +133,57 @@ class ModelRpcServer:
             }
         )
         self.arrivals += 1
-        self.waiting.append(
-            Req(r.rid, list(r.input_ids), params, r.stream, r.group, arrival=self.arrivals,
-                logprob=r.logprob)
-        )
+        req = Req(r.rid, list(r.input_ids), params, r.stream, r.group, arrival=self.arrivals,
+                  logprob=r.logprob)
+        if params.constraint_key is not None:
+            req.fsm_future = self._compile(params)
+        self.waiting.append(req)
+
+    # ------------------------------------------------------------------ constrained decoding
+
+    def _compile(self, params: SamplingParams) -> Future:
+        if self.fsm_cache is None:
+            eos = self.tokenizer.eos_token_id
+            self.fsm_cache = FSMCache(self.tokenizer, int(eos) if eos is not None else -1,
+                                      self.args.constrained_cache_size)
+        try:
+            pattern = constraint_regex(params.regex, params.json_schema)
+        except ValueError as e:  # the HTTP process checked it; a failed future keeps ranks equal
+            fut: Future = Future()
+            fut.set_exception(e)
+            return fut
+        return self.fsm_cache.get(pattern)
+
+    def _resolve_compiles(self, outs: list[TokenOut]) -> None:
+        """Mark waiting requests whose FSM compile finished as admissible.
+
+        Each rank compiles on its own background thread, so compiles may finish at different
+        times on different ranks; a request becomes admissible only once every rank has its FSM
+        (one small all-reduce, only while compiles are pending), which keeps the schedules equal.
+        """
+        pending = [r for r in self.waiting if r.fsm_pending]
+        if not pending:
+            return
+        done = torch.tensor([int(r.fsm_future.done()) for r in pending], dtype=torch.int64,
+                            device=self.runner.device)
+        done = parallel_state.all_reduce(done).tolist()
+        failed: list[Req] = []
+        for r, n in zip(pending, done):
+            if n < self.args.tp_size:
+                continue
+            err = r.fsm_future.exception()
+            if err is not None:
+                r.finish_reason = {"type": "abort", "message": f"constraint failed: {err}"}
+                failed.append(r)
+                continue
+            r.fsm = r.fsm_future.result()
+            r.fsm_state = r.fsm.initial_state
+            # Replay tokens already generated (none unless the request comes back retracted).
+            for tok in r.output_ids:
+                r.fsm_state = r.fsm.next_state(r.fsm_state, tok)
+        for r in failed:
+            self.waiting.remove(r)
+            outs.append(self._token_out(r))
 
     def _abort(self, a: AbortReq, outs: list[TokenOut]) -> None:
         for i, req in enumerate(self.waiting):
@@ -207,6 +261,8 @@ class ModelRpcServer:
         batch: list[Req] = []
         groups: set[str] = set()
         for r in queue:
+            if r.fsm_pending:
+                continue  # its FSM is still compiling
             if r.group is not None and r.group in groups:
                 # A sibling sample is computing this prompt now: wait one round and reuse its KV.
                 continue
@@ -370,6 +426,10 @@ class ModelRpcServer:
         info = build_sampling_info(
             batch, logits.shape[-1], dev, [self._stop_ids(r) for r in batch]
         )
+        if any(r.fsm is not None for r in batch):
+            rows = [(r.fsm, r.fsm_state) if r.fsm is not None else None for r in batch]
+            info.forbidden = merge_forbidden(
+                info.forbidden, constrained_forbidden(rows, logits.shape[-1], dev))
         ids = sample(logits, info, self.runner.sampler_generator)
         # Rank 0 samples for all: ranks hold bitwise-equal logits and generators, but one
         # small broadcast makes it impossible for their schedules to drift apart.
@@ -392,6 +452,15 @@ class ModelRpcServer:
             req.output_logprobs.extend(logprob)
         self.generated_since_log += 1
         p = req.sampling_params
+        if req.fsm is not None:
+            if tok == req.fsm.eos_token_id:
+                req.finish_reason = {"type": "stop", "matched": tok}
+                return
+            state = req.fsm.next_state(req.fsm_state, tok)
+            if state is None:  # cannot happen under the mask; never continue off the pattern
+                req.finish_reason = {"type": "abort", "message": "token outside the pattern"}
+                return
+            req.fsm_state = state
         if len(req.output_ids) >= p.min_new_tokens:
             if tok in self._stop_ids(req):
                 req.finish_reason = {"type": "stop", "matched": tok}
@@ -402,6 +471,9 @@ class ModelRpcServer:
                 return
         if len(req.output_ids) >= p.max_new_tokens:
             req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+        elif req.fsm is not None and req.fsm.is_dead_end(req.fsm_state):
+            # The pattern is complete and nothing may follow: done without sampling EOS.
+            req.finish_reason = {"type": "stop", "matched": None}
 
     def _match_stop_string(self, req: Req) -> str | None:
         stops = req.sampling_params.stop

@@ -1,0 +1,116 @@
+"""Token-level FSMs for regex-constrained decoding, compiled with outlines-core and cached.
+
+A `TokenFSM` wraps an outlines-core `Index` (built once per pattern over the tokenizer's
+vocabulary) and answers, per state, which tokens may come next. `FSMCache` compiles patterns on a
+background thread and keeps the most recently used `capacity` FSMs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+# Any JSON object, for response_format {"type": "json_object"}: string keys, values that are
+# scalars, or flat arrays / objects of scalars. (outlines-core's regex for {"type": "object"}
+# nests three levels deep and is ~20 kB: too slow to compile per server.)
+_WS = r"[ ]?"
+_STR = r'"([^"\\\x00-\x1F\x7F]|\\["\\/bfnrt])*"'
+_NUM = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+_SCALAR = rf"({_STR}|{_NUM}|true|false|null)"
+_FLAT_ARR = rf"\[{_WS}({_SCALAR}({_WS},{_WS}{_SCALAR})*)?{_WS}\]"
+_FLAT_OBJ = rf"\{{{_WS}({_STR}{_WS}:{_WS}{_SCALAR}({_WS},{_WS}{_STR}{_WS}:{_WS}{_SCALAR})*)?{_WS}\}}"
+_VALUE = rf"({_SCALAR}|{_FLAT_ARR}|{_FLAT_OBJ})"
+JSON_OBJECT_REGEX = (
+    rf"\{{{_WS}({_STR}{_WS}:{_WS}{_VALUE}({_WS},{_WS}{_STR}{_WS}:{_WS}{_VALUE})*)?{_WS}\}}"
+)
+
+
+def constraint_regex(regex: str | None, json_schema: str | None) -> str:
+    """The regex a request is constrained by (a JSON schema is turned into one).
+
+    Raises ValueError for an unsupported schema.
+    """
+    if regex is not None:
+        return regex
+    assert json_schema is not None
+    from outlines_core.json_schema import build_regex_from_schema
+
+    return build_regex_from_schema(json_schema)
+
+
+class TokenFSM:
+    """Allowed tokens per state of one compiled pattern. Read-only after construction, so one
+    instance is shared by every request with the same pattern."""
+
+    def __init__(self, index: Any, eos_token_id: int) -> None:
+        self.index = index
+        self.eos_token_id = eos_token_id
+        self.initial_state: int = index.get_initial_state()
+        self.num_states = len(index.get_transitions())
+        self._allowed: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def allowed_tokens(self, state: int) -> torch.Tensor:
+        """int64 ids allowed from `state` (EOS only where the state is final); cached per state."""
+        t = self._allowed.get(state)
+        if t is None:
+            ids = self.index.get_allowed_tokens(state) or []
+            t = torch.tensor(sorted(ids), dtype=torch.int64)
+            with self._lock:
+                self._allowed[state] = t
+        return t
+
+    def next_state(self, state: int, token: int) -> int | None:
+        return self.index.get_next_state(state, token)
+
+    def is_final(self, state: int) -> bool:
+        return self.index.is_final_state(state)
+
+    def is_dead_end(self, state: int) -> bool:
+        """A final state from which no token but EOS continues: the output is complete."""
+        if not self.is_final(state):
+            return False
+        ids = self.allowed_tokens(state)
+        return bool((ids == self.eos_token_id).all())
+
+
+def compile_fsm(pattern: str, vocabulary: Any, eos_token_id: int) -> TokenFSM:
+    """Raises ValueError for a pattern outlines-core cannot compile."""
+    from outlines_core import Index
+
+    return TokenFSM(Index(pattern, vocabulary), eos_token_id)
+
+
+class FSMCache:
+    """Pattern -> TokenFSM, compiled on one background thread, LRU-bounded.
+
+    `get(pattern)` returns a Future; the same pattern gets the same future while it is cached.
+    A failed compile is not cached.
+    """
+
+    def __init__(self, tokenizer: Any, eos_token_id: int, capacity: int) -> None:
+        from srt.constrained.vocab import build_vocabulary
+
+        self.vocabulary = build_vocabulary(tokenizer, eos_token_id)
+        self.eos_token_id = eos_token_id
+        self.capacity = max(1, capacity)
+        self._entries: OrderedDict[str, Future] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsm-compile")
+
+    def get(self, pattern: str) -> Future:
+        fut = self._entries.get(pattern)
+        if fut is not None and not (fut.done() and fut.exception() is not None):
+            self._entries.move_to_end(pattern)
+            return fut
+        fut = self._pool.submit(compile_fsm, pattern, self.vocabulary, self.eos_token_id)
+        self._entries[pattern] = fut
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)  # requests holding it keep their reference
+        return fut
+
+    def __len__(self) -> int:
+        return len(self._entries)
