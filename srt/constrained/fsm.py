@@ -10,9 +10,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the HTTP process compiles patterns to validate them and needs no torch
+    import torch
+
 
 # Any JSON object, for response_format {"type": "json_object"}: string keys, values that are
 # scalars, or flat arrays / objects of scalars. (outlines-core's regex for {"type": "object"}
@@ -51,11 +53,13 @@ class TokenFSM:
         self.eos_token_id = eos_token_id
         self.initial_state: int = index.get_initial_state()
         self.num_states = len(index.get_transitions())
-        self._allowed: dict[int, torch.Tensor] = {}
+        self._allowed: dict[int, "torch.Tensor"] = {}
         self._lock = threading.Lock()
 
-    def allowed_tokens(self, state: int) -> torch.Tensor:
+    def allowed_tokens(self, state: int) -> "torch.Tensor":
         """int64 ids allowed from `state` (EOS only where the state is final); cached per state."""
+        import torch
+
         t = self._allowed.get(state)
         if t is None:
             ids = self.index.get_allowed_tokens(state) or []
