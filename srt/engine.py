@@ -113,13 +113,13 @@ class Engine:
         if self._rt is None:
             return
         rt, self._rt = self._rt, None
-        asyncio.run_coroutine_threadsafe(self._cancel_tasks(), self._loop).result(timeout=5)
+        asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(timeout=5)
         rt.stop()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 
-    @staticmethod
-    async def _cancel_tasks() -> None:
+    async def _close(self) -> None:
+        await self.tm.close()
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in tasks:
             t.cancel()

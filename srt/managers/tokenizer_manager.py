@@ -162,6 +162,20 @@ class TokenizerManager:
             self.inbox = AsyncPullSocket(self.ctx, self.ports.detokenizer_to_tokenizer)
             self._loop_task = asyncio.get_running_loop().create_task(self._result_loop())
 
+    async def close(self) -> None:
+        """Stop the result loop and close the sockets (on the loop that called `start`); a zmq
+        context left with open sockets would block the interpreter's exit."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            self._loop_task = None
+        if self.inbox is not None:
+            self.inbox.close()
+            self.inbox = None
+        self.to_router.close()
+        self.ctx.term()
+        self.sync_ctx.term()
+
     async def _result_loop(self) -> None:
         assert self.inbox is not None
         while True:
