@@ -1,5 +1,6 @@
 """Each supported architecture besides Llama, served by the real server in float32 on a small
-random checkpoint, gives transformers' greedy tokens; Mixtral also under --tp-size 2 (gloo).
+random checkpoint, gives transformers' greedy tokens, and prompt and output logprobs equal to its
+log_softmax within 1e-4; Mixtral also under --tp-size 2 (gloo).
 Mistral's sliding window caps the context: a longer request is a 400. An unsupported
 architecture is a clear start-up error."""
 
@@ -10,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -37,37 +39,54 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """transformers' greedy continuation: argmax of the full forward, n times (no eos stop)."""
+TOL = 1e-4
+
+
+@dataclass
+class Reference:
+    """transformers' greedy tokens per prompt, and log_softmax values: of each prompt token
+    after the first, and of each greedy token."""
+
+    greedy: list[list[int]]
+    prompt_logprobs: list[list[float]]
+    output_logprobs: list[list[float]]
+
+
+def hf_reference(path: str, prompts: list[list[int]], n: int) -> Reference:
+    """Greedy continuation by argmax of the full forward, n times (no eos stop)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
+    ref = Reference([], [], [])
     with torch.no_grad():
         for ids in prompts:
             seq = list(ids)
             for _ in range(n):
                 logits = model(torch.tensor([seq])).logits[0, -1]
                 seq.append(int(logits.argmax()))
-            outs.append(seq[len(ids):])
-    return outs
+            lp = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
+            ref.greedy.append(seq[len(ids):])
+            ref.prompt_logprobs.append([float(lp[p - 1, seq[p]]) for p in range(1, len(ids))])
+            ref.output_logprobs.append(
+                [float(lp[p - 1, seq[p]]) for p in range(len(ids), len(seq))])
+    return ref
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: Any) -> Any:
-    """name -> (path, transformers' greedy tokens), built on first use."""
+    """name -> (path, transformers' reference), built on first use."""
     import transformers
 
-    cache: dict[str, tuple[str, list[list[int]]]] = {}
+    cache: dict[str, tuple[str, Reference]] = {}
 
-    def get(name: str) -> tuple[str, list[list[int]]]:
+    def get(name: str) -> tuple[str, Reference]:
         if name not in cache:
             cfg_cls, model_cls, overrides = MODELS[name]
             path = save_random_model(
                 str(tmp_path_factory.mktemp(name)), getattr(transformers, cfg_cls),
                 getattr(transformers, model_cls), random_vectors=True, **{**SMALL, **overrides})
-            cache[name] = (path, hf_greedy(path, PROMPTS, NEW_TOKENS))
+            cache[name] = (path, hf_reference(path, PROMPTS, NEW_TOKENS))
         return cache[name]
 
     return get
@@ -78,9 +97,17 @@ def _serve(path: str, *extra: str) -> ServerProcess:
                           "--random-seed", "0", "--max-total-tokens", "512", *extra]).start()
 
 
-def _greedy(srv: ServerProcess) -> list[list[int]]:
-    return [r["output_ids"] for r in
-            srv.generate({"input_ids": PROMPTS, "sampling_params": GREEDY})]
+def _check(srv: ServerProcess, ref: Reference) -> None:
+    """Greedy tokens equal transformers'; prompt and output logprobs within TOL."""
+    res = srv.generate({"input_ids": PROMPTS, "sampling_params": GREEDY,
+                        "return_logprob": True, "logprob_start_len": 0})
+    assert [r["output_ids"] for r in res] == ref.greedy
+    for r, want_in, want_out in zip(res, ref.prompt_logprobs, ref.output_logprobs):
+        got_in = r["meta_info"]["input_token_logprobs"]
+        assert got_in[0][0] is None  # the first prompt token has no logprob
+        assert [x[0] for x in got_in[1:]] == pytest.approx(want_in, abs=TOL)
+        got_out = [x[0] for x in r["meta_info"]["output_token_logprobs"]]
+        assert got_out == pytest.approx(want_out, abs=TOL)
 
 
 @pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "mixtral"])
@@ -88,7 +115,7 @@ def test_greedy_equals_transformers(checkpoints: Any, name: str) -> None:
     path, expected = checkpoints(name)
     srv = _serve(path)
     try:
-        assert _greedy(srv) == expected
+        _check(srv, expected)
         srv.assert_kv_invariant()
     finally:
         srv.stop()
@@ -99,7 +126,7 @@ def test_mixtral_tp2_equals_transformers(checkpoints: Any) -> None:
     srv = _serve(path, "--tp-size", "2")
     try:
         assert srv.server_info()["tp_size"] == 2
-        assert _greedy(srv) == expected
+        _check(srv, expected)
         srv.assert_kv_invariant()
     finally:
         srv.stop()
@@ -109,7 +136,7 @@ def test_mistral_within_window_and_longer_refused(checkpoints: Any) -> None:
     path, expected = checkpoints("mistral")
     srv = _serve(path)
     try:
-        assert _greedy(srv) == expected
+        _check(srv, expected)
         assert "sliding-window attention (window 24)" in srv.log()
         # 20 + 8 tokens > the window: refused at validation, before anything is scheduled
         r = requests.post(srv.url + "/generate", timeout=60, json={
