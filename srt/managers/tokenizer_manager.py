@@ -286,7 +286,7 @@ class TokenizerManager:
                 raise RequestError(
                     f"{field_name} compiles to {fsm.num_states} states (at most "
                     f"{self.args.constrained_max_states})", field_name)
-            if not fsm.allowed_tokens(fsm.initial_state).numel():
+            if not fsm.index.get_allowed_tokens(fsm.initial_state):
                 raise RequestError(f"{field_name} admits no output", field_name)
 
     def _eos_id(self) -> int:

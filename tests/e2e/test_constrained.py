@@ -187,3 +187,79 @@ def test_openai_response_format(client: openai.OpenAI) -> None:
     comp = client.completions.create(model="default", prompt="The answer is", max_tokens=8,
                                      temperature=1.0, seed=5, extra_body={"regex": "(yes|no)"})
     assert comp.choices[0].text in ("yes", "no")
+
+
+# Compile time grows with the states: over SmolLM2's vocabulary on an idle 2-core CPU this one
+# took 8.6 s (measured) and half that with {1,200}. It is compiled in the HTTP process
+# (validation) and again in the model process.
+SLOW_PATTERN = r"[a-zA-Z0-9 ]{1,200}"
+SLOWER_PATTERN = r"[a-zA-Z0-9 ]{1,400}"
+
+
+def _stream_times(url: str, body: dict[str, Any], started: Any) -> list[float]:
+    """Arrival time of every streamed chunk."""
+    import time
+
+    times: list[float] = []
+    with requests.post(url + "/generate", json={**body, "stream": True}, stream=True,
+                       timeout=600) as resp:
+        assert resp.status_code == 200, resp.text
+        for line in resp.iter_lines():
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                times.append(time.monotonic())
+                started.set()
+    return times
+
+
+def test_slow_compile_does_not_stall_other_streams(server: Any) -> None:
+    """8 unconstrained streams keep producing tokens while a new pattern compiles for seconds."""
+    import threading
+    import time
+
+    body = {"text": "Tell me a long story about a dragon.",
+            "sampling_params": {"temperature": 0.8, "max_new_tokens": 160, "ignore_eos": True}}
+    flags = [threading.Event() for _ in range(8)]
+    with cf.ThreadPoolExecutor(9) as pool:
+        streams = [pool.submit(_stream_times, server.url, body, f) for f in flags]
+        for f in flags:
+            assert f.wait(120)
+        t0 = time.monotonic()
+        slow = server.generate({"text": "Write letters:", "sampling_params": {
+            "regex": SLOW_PATTERN, "max_new_tokens": 4, "temperature": 0}})
+        t1 = time.monotonic()
+        times = [s.result() for s in streams]
+    assert slow["meta_info"]["finish_reason"] is not None
+    waited = t1 - t0
+    assert waited > 4.0, f"the compile took only {waited:.1f} s: not a slow pattern here"
+    gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if t0 <= b <= t1]
+    assert gaps, "no stream produced tokens while the pattern compiled"
+    print(f"constrained request {waited:.1f} s; stream gaps meanwhile: max {max(gaps):.2f} s, "
+          f"{len(gaps)} gaps")
+    assert max(gaps) < waited / 3, (max(gaps), waited)
+
+
+def test_compile_time_and_size_bounds_are_400s(smollm2_dir: str) -> None:
+    from tests.conftest import BASE_ARGS, ServerProcess
+
+    srv = ServerProcess([*BASE_ARGS, "--max-total-tokens", "4096",
+                         "--constrained-compile-timeout", "4",
+                         "--constrained-max-states", "1000"]).start()
+    try:
+        good = {"text": "Count to ten:", "sampling_params": {
+            "temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}
+        # the size case first: a timed-out compile keeps the (single) compile thread busy
+        cases = [({"regex": r"x{1500}"}, "regex", "states"),  # 1501 states, about 1 s
+                 ({"regex": SLOWER_PATTERN}, "regex", "took longer")]
+        for params, field, words in cases:
+            with cf.ThreadPoolExecutor(1) as pool:
+                fut = pool.submit(srv.generate, good)
+                r = requests.post(srv.url + "/generate", timeout=120,
+                                  json={"text": "Hi", "sampling_params": params})
+                ok = fut.result()
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == field and words in err["message"], err
+            assert ok["meta_info"]["completion_tokens"] == 8
+        srv.assert_kv_invariant()
+    finally:
+        srv.stop()
