@@ -7,6 +7,7 @@ background thread and keeps the most recently used `capacity` FSMs.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import threading
 from collections import OrderedDict
@@ -32,6 +33,37 @@ JSON_OBJECT_REGEX = (
 )
 
 
+# Keywords outlines-core accepts but does not enforce (its regex for {"type": "integer",
+# "maximum": 99} admits any integer): refused, rather than silently producing invalid output.
+_UNENFORCED_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                        "multipleOf")
+# Keywords whose value maps names to subschemas (the names are not keywords) ...
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# ... and keywords whose value is data, not a schema.
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")
+
+
+def check_schema_keywords(schema: Any, path: str = "$") -> None:
+    """Raise ValueError naming the first keyword of `schema` that would be ignored."""
+    if isinstance(schema, list):
+        for i, sub in enumerate(schema):
+            check_schema_keywords(sub, f"{path}[{i}]")
+        return
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            continue
+        if key in _NAME_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                check_schema_keywords(sub, f"{path}.{key}.{name}")
+            continue
+        if key in _UNENFORCED_KEYWORDS:
+            raise ValueError(f"the keyword {key!r} at {path} is not supported (numeric bounds "
+                             "cannot be enforced; use an enum or a pattern)")
+        check_schema_keywords(value, f"{path}.{key}")
+
+
 def constraint_regex(regex: str | None, json_schema: str | None) -> str:
     """The regex a request is constrained by (a JSON schema is turned into one).
 
@@ -42,6 +74,10 @@ def constraint_regex(regex: str | None, json_schema: str | None) -> str:
     assert json_schema is not None
     from outlines_core.json_schema import build_regex_from_schema
 
+    try:
+        check_schema_keywords(json.loads(json_schema))
+    except json.JSONDecodeError:
+        pass  # outlines-core reports it
     return build_regex_from_schema(json_schema)
 
 

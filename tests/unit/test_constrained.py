@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from typing import Any
@@ -167,3 +168,17 @@ def test_sampling_params_constraints() -> None:
         with pytest.raises(SamplingParamError) as e:
             SamplingParams.from_dict(bad)
         assert e.value.param == field
+
+
+def test_unenforced_schema_keywords_are_refused() -> None:
+    from srt.constrained.fsm import check_schema_keywords, constraint_regex
+
+    with pytest.raises(ValueError, match="'maximum' at \\$.properties.age"):
+        constraint_regex(None, json.dumps({"type": "object", "properties": {
+            "age": {"type": "integer", "maximum": 99}}}))
+    with pytest.raises(ValueError, match="multipleOf"):
+        check_schema_keywords({"type": "array", "items": {"type": "number", "multipleOf": 2}})
+    # a property named like a keyword, and keyword-like data, are fine
+    check_schema_keywords({"type": "object", "properties": {"minimum": {"type": "string"}},
+                           "default": {"maximum": 1}, "enum": [{"minimum": 3}]})
+    assert constraint_regex(None, json.dumps({"type": "integer"}))
