@@ -15,38 +15,25 @@ import argparse
 import random
 import statistics
 import sys
-import tempfile
 import time
 
-from benchmarks.common import Shape, copy_bandwidth, hardware, print_table, write_json, \
-    write_shape_dir
+from benchmarks.common import Shape, add_engine_args, copy_bandwidth, hardware, print_table, \
+    start_engine, write_json
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="llama3-8b")
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--disable-cuda-graph", action="store_true")
+    add_engine_args(p)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--log-level", default="warning")
-    p.add_argument("--out", default=None)
     a = p.parse_args()
-
-    import srt
 
     bw = copy_bandwidth()
     shape = Shape.of(a.shape)
     rng = random.Random(0)
-    model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix=f"srt-{a.shape}-"))
-    t0 = time.perf_counter()
-    with srt.Engine(model_dir, load_format="dummy", dtype="bfloat16", tp_size=a.tp_size,
-                    attention_backend=a.attention_backend,
-                    disable_cuda_graph=a.disable_cuda_graph, random_seed=0,
-                    log_level=a.log_level) as engine:
-        startup = time.perf_counter() - t0
+    engine, startup = start_engine(a)
+    with engine:
         info = engine.model_info
 
         def run(n_out: int) -> float:

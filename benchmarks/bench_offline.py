@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import tempfile
 import time
 
-from benchmarks.common import Shape, copy_bandwidth, hardware, matmul_rate, print_table, \
-    write_json, write_shape_dir
+from benchmarks.common import Shape, add_engine_args, copy_bandwidth, hardware, matmul_rate, \
+    print_table, start_engine, write_json
 
 W1_OUTPUT_TOKENS = 133_966
 
@@ -53,17 +52,9 @@ def floor_seconds(shape: Shape, in_lens: list[int], out_lens: list[int], bw: flo
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="llama3-8b")
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--disable-radix-cache", action="store_true")
+    add_engine_args(p)
     p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--log-level", default="warning")
-    p.add_argument("--out", default=None)
     a = p.parse_args()
-
-    import srt
 
     prompts, out_lens = w1_workload(a.num_prompts)
     if a.num_prompts == 256:
@@ -71,14 +62,8 @@ def main() -> None:
     bw, flops = copy_bandwidth(), matmul_rate()
     shape = Shape.of(a.shape)
     floor = floor_seconds(shape, [len(x) for x in prompts], out_lens, bw, flops, a.tp_size)
-    model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix=f"srt-{a.shape}-"))
-    t0 = time.perf_counter()
-    with srt.Engine(model_dir, load_format="dummy", dtype="bfloat16", tp_size=a.tp_size,
-                    attention_backend=a.attention_backend,
-                    disable_cuda_graph=a.disable_cuda_graph,
-                    disable_radix_cache=a.disable_radix_cache, random_seed=0,
-                    log_level=a.log_level) as engine:
-        startup = time.perf_counter() - t0
+    engine, startup = start_engine(a)
+    with engine:
         info = engine.model_info
         engine.generate(input_ids=[1, 2, 3, 4, 5], sampling_params={"max_new_tokens": 16})
         params = [{"temperature": 0.6, "ignore_eos": True, "max_new_tokens": n}

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -79,6 +80,31 @@ def write_shape_dir(name: str, path: str) -> str:
     cfg.save_pretrained(path)
     save_word_tokenizer(path, cfg.vocab_size)
     return path
+
+
+def add_engine_args(p: Any) -> None:
+    """The arguments every Engine benchmark takes (an argparse parser)."""
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--log-level", default="warning")
+    p.add_argument("--out", default=None)
+
+
+def start_engine(a: Any) -> tuple[Any, float]:
+    """An srt.Engine on the shape `a.shape` with random bf16 weights, and its start-up seconds."""
+    import srt
+
+    model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix=f"srt-{a.shape}-"))
+    t0 = time.perf_counter()
+    engine = srt.Engine(model_dir, load_format="dummy", dtype="bfloat16", tp_size=a.tp_size,
+                        attention_backend=a.attention_backend,
+                        disable_cuda_graph=a.disable_cuda_graph,
+                        disable_radix_cache=a.disable_radix_cache, random_seed=0,
+                        log_level=a.log_level)
+    return engine, time.perf_counter() - t0
 
 
 def cuda_time_ms(fn: Callable[[], Any], warmup: int = 5, iters: int = 20) -> float:
