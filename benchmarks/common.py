@@ -88,6 +88,8 @@ def add_engine_args(p: Any) -> None:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest captured decode batch (default: the server's)")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--out", default=None)
@@ -102,6 +104,8 @@ def start_engine(a: Any) -> tuple[Any, float]:
     engine = srt.Engine(model_dir, load_format="dummy", dtype="bfloat16", tp_size=a.tp_size,
                         attention_backend=a.attention_backend,
                         disable_cuda_graph=a.disable_cuda_graph,
+                        **({} if a.cuda_graph_max_bs is None
+                           else {"cuda_graph_max_bs": a.cuda_graph_max_bs}),
                         disable_radix_cache=a.disable_radix_cache, random_seed=0,
                         log_level=a.log_level)
     return engine, time.perf_counter() - t0
