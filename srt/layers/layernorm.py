@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from srt.layers.fused_triton import add_rmsnorm, use_fused
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float = 1e-6) -> None:
@@ -16,6 +18,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if use_fused(x) and x.stride(-1) == 1:
+            return add_rmsnorm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

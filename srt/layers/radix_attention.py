@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from srt.layers.forward_batch import get_forward_batch
+from srt.layers.fused_triton import rope_and_store, use_fused
+from srt.layers.rotary import RotaryEmbedding
 
 
 class RadixAttention(nn.Module):
@@ -23,17 +25,35 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.layer_id = layer_id
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, heads * d], k, v: [T, kv_heads * d] -> [T, heads * d]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rotary: RotaryEmbedding | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, heads, d] or [T, heads * d], k, v: [T, kv_heads, d] or flat -> [T, heads * d].
+
+        With `rotary`, q and k are rotated at `positions` first (on the GPU in the same kernel
+        that writes K/V into the pool)."""
         fb = get_forward_batch()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(self.layer_id)
-        k_buf[fb.out_cache_loc] = k
-        v_buf[fb.out_cache_loc] = v
+        if rotary is not None and use_fused(q) and _fusable(q, k, v, self.head_dim):
+            q = rope_and_store(q, k, v, positions, rotary.cos_cache, rotary.sin_cache,
+                               k_buf, v_buf, fb.out_cache_loc)
+        else:
+            if rotary is not None:
+                q, k = rotary(positions, q, k)
+            k_buf[fb.out_cache_loc] = k
+            v_buf[fb.out_cache_loc] = v
         if fb.forward_mode.is_extend():
             o = fb.attn_backend.forward_extend(q, k, v, self, fb)
         else:
             o = fb.attn_backend.forward_decode(q, k, v, self, fb)
         return o.reshape(-1, self.num_heads * self.head_dim)
+
+
+def _fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> bool:
+    """The fused kernel's layout: heads contiguous per token, a power-of-two half dimension."""
+    half = head_dim // 2
+    return (head_dim % 2 == 0 and half & (half - 1) == 0
+            and all(x.stride(2) == 1 and x.stride(1) == head_dim for x in (q, k, v)))

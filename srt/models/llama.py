@@ -74,8 +74,7 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v)
+        o = self.attn(q, k, v, self.rotary_emb, positions)
         return self.o_proj(o)
 
 

@@ -1,0 +1,97 @@
+"""Where a decode step's time goes: one model process driven in this process (TP 1).
+
+    python3 benchmarks/profile_decode.py --shape llama3-8b --batch 1 --steps 200
+
+Starts a ModelRpcServer on the shape with random weights, fills `--batch` requests of
+`--input-len` tokens, then times `--steps` decode steps: wall time per step, the GPU time per step
+(sum of kernel times under torch.profiler), the top host functions (cProfile) and the top GPU
+kernels. Host time that the GPU waits on shows up as wall time minus GPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import random
+import tempfile
+import time
+
+import torch
+
+from benchmarks.common import Shape, write_shape_dir
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--top", type=int, default=25)
+    a = p.parse_args()
+
+    from srt.managers.io_struct import StepInput, TokenizedGenerateReq
+    from srt.managers.router.model_rpc import ModelRpcServer
+    from srt.server_args import ServerArgs
+
+    shape = Shape.of(a.shape)
+    model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix="srt-prof-"))
+    args = ServerArgs(model_path=model_dir, tokenizer_path=model_dir, load_format="dummy",
+                      dtype="bfloat16", attention_backend=a.attention_backend,
+                      disable_cuda_graph=a.disable_cuda_graph,
+                      cuda_graph_max_bs=max(a.batch, 1), random_seed=0)
+    server = ModelRpcServer(args, 0)
+    rng = random.Random(0)
+    reqs = [TokenizedGenerateReq(f"p{i}", [rng.randrange(2, shape.vocab)
+                                           for _ in range(a.input_len)],
+                                 {"temperature": 0.0, "max_new_tokens": 3 * a.steps + 100,
+                                  "ignore_eos": True}) for i in range(a.batch)]
+    server.step(StepInput(reqs=reqs))
+    while server.waiting:
+        server.step(StepInput())
+    assert len(server.running) == a.batch
+    outs: list = []
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def decode(n: int) -> float:
+        sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            server._forward_decode(outs)
+        sync()
+        outs.clear()
+        return (time.perf_counter() - t) / n
+
+    decode(20)  # warm-up
+    wall = decode(a.steps)
+
+    prof = cProfile.Profile()
+    prof.enable()
+    decode(a.steps)
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+    print(s.getvalue())
+
+    n_prof = 20
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as tp:
+        decode(n_prof)
+    events = tp.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events) / n_prof
+    print(events.table(sort_by="self_device_time_total", row_limit=a.top))
+    print(f"shape {a.shape} batch {a.batch} backend {server.runner.backend_name} "
+          f"graph {server.runner.graph_runner is not None}")
+    print(f"wall per decode step {wall * 1e3:.3f} ms; GPU kernel time per step "
+          f"{gpu_us / 1e3:.3f} ms; not covered by kernels {wall * 1e3 - gpu_us / 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
