@@ -11,7 +11,6 @@ This process never imports the model runner, layers, models or kernels.
 """
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -27,23 +26,18 @@ logger = logging.getLogger("srt.server")
 
 
 def _error(status: int, message: str, param: str | None, code: str) -> Any:
-    from fastapi.responses import JSONResponse
+    from srt.http.errors import error_response
 
-    return JSONResponse(
-        status_code=status,
-        content={"error": {"message": message, "type": "invalid_request_error" if status < 500
-                           else "server_error", "param": param, "code": code}},
-    )
+    return error_response(status, message, param, code)
 
 
 def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    from srt.http import layer as http_layer
     from srt.managers.openai_api import OpenAIAdapter
     from srt.managers.tokenizer_manager import RequestError
 
@@ -58,18 +52,8 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
         yield
 
     app = FastAPI(title="srt", lifespan=lifespan)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> Any:
-        return _error(400, str(exc), None, "invalid_request")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Any:
-        return _error(exc.status_code, str(exc.detail), None, "http_error")
-
-    @app.exception_handler(RequestError)
-    async def _request_error(_: Request, exc: RequestError) -> Any:
-        return _error(exc.status, str(exc), exc.param, exc.code)
+    # error envelope, auth, limits, metrics, /health_generate, /metrics (srt/http/)
+    http = http_layer.install(app, args, tm, supervisor)
 
     async def read_json(request: Request) -> Any:
         raw = await request.body()
@@ -91,7 +75,7 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
 
     @app.get("/get_server_info")
     async def get_server_info() -> Any:
-        return {**dataclasses.asdict(args), **(await tm.get_stats())}
+        return {**http.public_args(), **(await tm.get_stats())}
 
     @app.post("/flush_cache")
     async def flush_cache() -> Any:
@@ -119,12 +103,16 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
 
     @app.post("/v1/completions")
     async def v1_completions(request: Request) -> Any:
-        parsed, c = openai.parse_completion(await read_json(request))
+        body = await read_json(request)
+        http.admit("/v1/completions", body)
+        parsed, c = openai.parse_completion(body)
         return await _openai_answer(request, parsed, c, chat=False)
 
     @app.post("/v1/chat/completions")
     async def v1_chat_completions(request: Request) -> Any:
-        parsed, c = openai.parse_chat(await read_json(request))
+        body = await read_json(request)
+        http.admit("/v1/chat/completions", body)
+        parsed, c = openai.parse_chat(body)
         return await _openai_answer(request, parsed, c, chat=True)
 
     async def _openai_answer(request: Request, parsed: Any, c: dict[str, Any], chat: bool) -> Any:
@@ -141,7 +129,9 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
-        parsed = tm.parse_generate_request(await read_json(request))
+        body = await read_json(request)
+        http.admit("/generate", body)
+        parsed = tm.parse_generate_request(body)
         await tm.check_constraints(parsed)
         tm.submit(parsed)
         if parsed.stream:
@@ -204,8 +194,10 @@ def launch_server(args: ServerArgs) -> int:
         signal.signal(sig, lambda signum, _frame: logger.info(
             "received %s, stopping", signal.Signals(signum).name))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=3)
+        # log_config=None: uvicorn's records go through our handler, which escapes control
+        # characters (srt/logsafe.py); no access log (it would carry paths and clients).
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=None,
+                    access_log=False, server_header=False, timeout_graceful_shutdown=3)
     finally:
         rt.stop()
     logger.info("stopped")

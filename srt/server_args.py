@@ -78,6 +78,36 @@ class ServerArgs:
                                      "compile to before the request is refused (400).")
     log_level: str = _f("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_stats_interval: float = _f(5.0, "Seconds between stats lines while busy.")
+    log_requests: bool = _f(False, "Log each request's body and output text (escaped). Off: "
+                            "prompts and outputs are never logged.")
+
+    # Operations and security (srt/http/). Keys are never logged or reported.
+    api_key: str | None = field(default=None, repr=False, metadata={"help": (
+        "Require 'Authorization: Bearer KEY' on every route but --auth-exempt-paths "
+        "(default: $SRT_API_KEY; none: no authentication).")})
+    admin_api_key: str | None = field(default=None, repr=False, metadata={"help": (
+        "Key required on the control routes (/flush_cache, /abort_request); it is also "
+        "accepted everywhere else (default: $SRT_ADMIN_API_KEY; none: those routes take "
+        "--api-key).")})
+    auth_exempt_paths: str = _f("/health,/health_generate,/metrics",
+                                "Comma-separated paths served without a key.")
+    cors_allow_origins: str | None = _f(None, "Comma-separated origins allowed by CORS ('*': "
+                                        "any). None: CORS is off.")
+    max_request_body_bytes: int = _f(32 * 2**20, "Largest request body; a larger one is a 413.")
+    max_batch_prompts: int = _f(256, "Most prompts in one batch request.")
+    max_n: int = _f(128, "Most samples per prompt (n), at most 128.")
+    max_top_logprobs: int = _f(20, "Most top logprobs per token (top_logprobs_num, logprobs, "
+                               "top_logprobs), at most 20.")
+    max_stop_strings: int = _f(16, "Most stop strings (and most stop token ids) per request.")
+    max_stop_string_length: int = _f(256, "Longest stop string, in characters.")
+    max_regex_length: int = _f(4096, "Longest regex constraint, in characters.")
+    max_json_schema_bytes: int = _f(32768, "Largest JSON schema constraint, in bytes of JSON.")
+    max_image_bytes: int = _f(20 * 2**20, "Largest image input, in bytes after base64 "
+                              "decoding or download.")
+    max_image_pixels: int = _f(4096 * 4096, "Largest image input, in pixels (width x height).")
+    max_queued_requests: int = _f(1024, "Most requests (samples) the server holds at once, "
+                                  "running or waiting; past it a request is a 503 with "
+                                  "Retry-After.")
 
     def resolve(self) -> "ServerArgs":
         """Settle the values that need no device: seed, tokenizer path. Validate ranges."""
@@ -87,6 +117,8 @@ class ServerArgs:
             random_seed=seed,
             tokenizer_path=self.tokenizer_path or self.model_path,
             served_model_name=self.served_model_name or self.model_path,
+            api_key=self.api_key or os.environ.get("SRT_API_KEY") or None,
+            admin_api_key=self.admin_api_key or os.environ.get("SRT_ADMIN_API_KEY") or None,
         )
         args.validate()
         return args
@@ -106,6 +138,21 @@ class ServerArgs:
             raise ValueError("--stream-interval must be >= 1")
         if self.schedule_conservativeness <= 0:
             raise ValueError("--schedule-conservativeness must be > 0")
+        positive = ("max_request_body_bytes", "max_batch_prompts", "max_n", "max_stop_strings",
+                    "max_stop_string_length", "max_regex_length", "max_json_schema_bytes",
+                    "max_image_bytes", "max_image_pixels", "max_queued_requests")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_n > 128:
+            raise ValueError("--max-n must be <= 128")
+        if not 0 <= self.max_top_logprobs <= 20:
+            raise ValueError("--max-top-logprobs must be in [0, 20]")
+        for name in ("api_key", "admin_api_key"):
+            key = getattr(self, name)
+            if key is not None and (not key.strip() or key != key.strip()):
+                raise ValueError(f"--{name.replace('_', '-')} must be non-empty, without "
+                                 "surrounding spaces")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -19,13 +19,13 @@ _PR_SET_PDEATHSIG = 1
 
 
 def configure_logging(level: str, process_name: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format=f"%(asctime)s [{process_name}] %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-        force=True,
-    )
+    from srt.logsafe import SafeFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    # Control characters from user input are escaped in every record (srt/logsafe.py).
+    handler.setFormatter(SafeFormatter(f"%(asctime)s [{process_name}] %(levelname)s %(message)s",
+                                       datefmt="%H:%M:%S"))
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
 
 
 _PR_SET_NAME = 15

@@ -153,6 +153,9 @@ class TokenizerManager:
         self.control_waiters: dict[str, asyncio.Future] = {}
         self._loop_task: asyncio.Task | None = None
         self.fsm_cache: FSMCache | None = None  # built at the first constrained request
+        # Sees each sample's submission, outputs and end (metrics, request log); set by the
+        # server: on_submit(rid, stream), on_output(rid, StrOut), on_done(rid).
+        self.observer: Any = None
 
     # ------------------------------------------------------------------ results
 
@@ -437,9 +440,13 @@ class TokenizerManager:
             self.states[r.wire_rid] = ReqState(
                 r.rid, r.parent_rid, logprobs=LogprobState() if r.logprob is not None else None)
             self.user_rids.add(r.rid)
+            if self.observer is not None:
+                self.observer.on_submit(r.wire_rid, parsed.stream)
 
     def abort(self, rid: str, message: str = "aborted: the client disconnected") -> None:
         """Forget a request here and stop it in the model process."""
+        if self.observer is not None:
+            self.observer.on_done(rid)
         state = self.states.pop(rid, None)
         if state is None:
             return
@@ -463,6 +470,8 @@ class TokenizerManager:
         try:
             while True:
                 out: StrOut = await state.queue.get()
+                if self.observer is not None:
+                    self.observer.on_output(rid, out)
                 state.output_ids.extend(out.new_ids)
                 if state.logprobs is not None:
                     state.logprobs.add(out)
