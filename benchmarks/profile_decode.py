@@ -1,11 +1,13 @@
-"""Where a decode step's time goes: one model process driven in this process (TP 1).
+"""Where a decode step's time goes: the model process of each TP rank driven directly.
 
-    python3 benchmarks/profile_decode.py --shape llama3-8b --batch 1 --steps 200
+    python3 benchmarks/profile_decode.py --shape llama3-8b --batch 1 --steps 200 [--tp-size 2]
 
 Starts a ModelRpcServer on the shape with random weights, fills `--batch` requests of
 `--input-len` tokens, then times `--steps` decode steps: wall time per step, the GPU time per step
 (sum of kernel times under torch.profiler), the top host functions (cProfile) and the top GPU
-kernels. Host time that the GPU waits on shows up as wall time minus GPU time.
+kernels. Host time that the GPU waits on shows up as wall time minus GPU time. With
+`--tp-size N`, N processes step their ranks in lockstep and rank 0 reports (all-reduces appear
+among its kernels).
 """
 
 from __future__ import annotations
@@ -32,19 +34,33 @@ def main() -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--tp-size", type=int, default=1)
     a = p.parse_args()
+    model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix="srt-prof-"))
+    if a.tp_size == 1:
+        run_rank(0, a, model_dir, None)
+    else:
+        import socket
 
+        import torch.multiprocessing as mp
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(run_rank, args=(a, model_dir, port), nprocs=a.tp_size)
+
+
+def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None) -> None:
     from srt.managers.io_struct import StepInput, TokenizedGenerateReq
     from srt.managers.router.model_rpc import ModelRpcServer
     from srt.server_args import ServerArgs
 
     shape = Shape.of(a.shape)
-    model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix="srt-prof-"))
     args = ServerArgs(model_path=model_dir, tokenizer_path=model_dir, load_format="dummy",
                       dtype="bfloat16", attention_backend=a.attention_backend,
                       disable_cuda_graph=a.disable_cuda_graph,
-                      cuda_graph_max_bs=max(a.batch, 1), random_seed=0)
-    server = ModelRpcServer(args, 0)
+                      cuda_graph_max_bs=max(a.batch, 1), random_seed=0, tp_size=a.tp_size)
+    server = ModelRpcServer(args, rank, port)
     rng = random.Random(0)
     reqs = [TokenizedGenerateReq(f"p{i}", [rng.randrange(2, shape.vocab)
                                            for _ in range(a.input_len)],
@@ -78,7 +94,8 @@ def main() -> None:
     prof.disable()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
-    print(s.getvalue())
+    if rank == 0:
+        print(s.getvalue())
 
     n_prof = 20
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -86,8 +103,10 @@ def main() -> None:
         decode(n_prof)
     events = tp.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events) / n_prof
+    if rank != 0:
+        return
     print(events.table(sort_by="self_device_time_total", row_limit=a.top))
-    print(f"shape {a.shape} batch {a.batch} backend {server.runner.backend_name} "
+    print(f"tp {a.tp_size} shape {a.shape} batch {a.batch} backend {server.runner.backend_name} "
           f"graph {server.runner.graph_runner is not None}")
     print(f"wall per decode step {wall * 1e3:.3f} ms; GPU kernel time per step "
           f"{gpu_us / 1e3:.3f} ms; not covered by kernels {wall * 1e3 - gpu_us / 1e3:.3f} ms")

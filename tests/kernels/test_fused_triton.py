@@ -29,6 +29,15 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> None:
         assert torch.equal(a, b)
 
 
+def _rope_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """The rotation's products and sum: on the GPU the compiler contracts a multiply and an add
+    into one fused multiply-add, which skips one rounding: within an ulp of the terms there."""
+    if DEV == "cpu":
+        return _same(a, b)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[a.dtype]
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=4 * tol)
+
+
 def _torch_rmsnorm(x, w, eps, residual=None):
     """The reference: srt/layers/layernorm.py's torch path."""
     if residual is not None:
@@ -100,8 +109,8 @@ def test_rope_and_store(dtype: torch.dtype, tokens: int, heads: int, kv_heads: i
     loc = torch.randperm(slots, generator=g)[:tokens].to(DEV)
     out_q = rope_and_store(q, k, v, positions, rot.cos_cache, rot.sin_cache, k_buf, v_buf, loc)
     assert out_q.is_contiguous()
-    _same(out_q, ref_q)
-    _same(k, ref_k)  # rotated in place
+    _rope_same(out_q, ref_q)
+    _rope_same(k, ref_k)  # rotated in place
     assert torch.equal(v, ref_v)  # untouched
     assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], ref_v)
     others = torch.ones(slots, dtype=torch.bool)
@@ -120,4 +129,5 @@ def test_rope_without_store() -> None:
     pos = torch.arange(5).to(DEV) * 11
     ref_q, ref_k = rot(pos, q.clone(), k.clone())
     out_q = rope_and_store(q, k, v, pos, rot.cos_cache, rot.sin_cache)
-    assert torch.equal(out_q, ref_q) and torch.equal(k, ref_k)
+    _rope_same(out_q, ref_q)
+    _rope_same(k, ref_k)

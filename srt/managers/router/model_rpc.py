@@ -422,10 +422,13 @@ class ModelRpcServer:
         if any(r.logprob is not None for r in batch):
             lps = StepLogprobs(batch, mode, prefix_lens, extend_lens, dev)
             fb.prompt_logprobs = lps.prompt_request
-        logits = self.runner.forward(fb)
+        # Sampling tensors first: their host-to-device copies then queue ahead of the forward
+        # instead of waiting for it to finish.
         info = build_sampling_info(
-            batch, logits.shape[-1], dev, [self._stop_ids(r) for r in batch]
+            batch, self.config.vocab_size, dev, [self._stop_ids(r) for r in batch]
         )
+        logits = self.runner.forward(fb)
+        assert logits.shape[-1] == self.config.vocab_size
         if any(r.fsm is not None for r in batch):
             rows = [(r.fsm, r.fsm_state) if r.fsm is not None else None for r in batch]
             info.forbidden = merge_forbidden(
