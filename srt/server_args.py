@@ -76,6 +76,12 @@ class ServerArgs:
                                             "compile before the request is refused (400).")
     constrained_max_states: int = _f(100000, "Most FSM states a regex / JSON schema may "
                                      "compile to before the request is refused (400).")
+    allowed_local_media_path: str | None = _f(
+        None, "Directory under which image_data may name local files (default: no file access).")
+    allow_image_urls: bool = _f(False, "Let image_data be an http(s) URL that the server "
+                                "fetches (off by default: it reaches any address the server can).")
+    max_image_bytes: int = _f(20 << 20, "Largest image file accepted, in bytes.")
+    max_image_pixels: int = _f(25_000_000, "Most pixels (width x height) an image may have.")
     log_level: str = _f("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_stats_interval: float = _f(5.0, "Seconds between stats lines while busy.")
 
@@ -106,6 +112,12 @@ class ServerArgs:
             raise ValueError("--stream-interval must be >= 1")
         if self.schedule_conservativeness <= 0:
             raise ValueError("--schedule-conservativeness must be > 0")
+        if self.max_image_bytes < 1 or self.max_image_pixels < 1:
+            raise ValueError("--max-image-bytes and --max-image-pixels must be >= 1")
+        if self.allowed_local_media_path is not None and not os.path.isdir(
+                self.allowed_local_media_path):
+            raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path!r} is "
+                             "not a directory")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
