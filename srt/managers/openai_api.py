@@ -2,8 +2,9 @@
 
 `/v1/completions` and `/v1/chat/completions` are translated into native /generate requests, so
 they share one validation path (errors keep OpenAI's field names) and one way to run requests.
-Fields that are not implemented (tools, response formats, suffix, best_of > n) are refused with a
-400 naming the field rather than ignored.
+Fields that are not implemented (tools, suffix, best_of > n, more than one image) are refused
+with a 400 naming the field rather than ignored. Chat takes one `image_url` part in a user
+message (for a model with images); the chat template places the image token.
 
 Logprobs come from the native ones (the model's distribution: log_softmax of the raw logits).
 Completions: `logprobs` (0..20) gives {tokens, token_logprobs, top_logprobs, text_offset}, with
