@@ -10,7 +10,8 @@ the CPU, against transformers as the oracle:
 - bad images (undecodable, too many bytes or pixels, a path or URL where none is allowed, a
   misplaced image token) are 400s naming the field, and the server keeps serving;
 - a local path under --allowed-local-media-path and an http URL with --allow-image-urls (a
-  server on 127.0.0.1) give the same answer as the same image in base64;
+  server on 127.0.0.1) give the same answer as the same image in base64 (this server runs at
+  --tp-size 2 and is checked against transformers too);
 - /v1/chat/completions with an image_url data URI through the official openai client.
 """
 
@@ -278,7 +279,10 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def test_local_path_and_url_when_allowed(model_dir: str, tmp_path: Any) -> None:
+def test_local_path_and_url_when_allowed_at_tp2(model_dir: str, oracle: Oracle,
+                                               tmp_path: Any) -> None:
+    """Also under --tp-size 2 (gloo): the language model sharded, the vision tower on both
+    ranks."""
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     (allowed / "a.png").write_bytes(IMAGES[3])
@@ -287,9 +291,13 @@ def test_local_path_and_url_when_allowed(model_dir: str, tmp_path: Any) -> None:
     handler = functools.partial(_QuietHandler, directory=str(allowed))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    srv = _serve(model_dir, "--allowed-local-media-path", str(allowed), "--allow-image-urls")
+    srv = _serve(model_dir, "--allowed-local-media-path", str(allowed), "--allow-image-urls",
+                 "--tp-size", "2")
     try:
+        assert srv.server_info()["tp_size"] == 2
         want = _generate(srv, {"text": PROMPTS[1], "image_data": b64(IMAGES[3])})
+        greedy, _ = oracle.run(oracle.tokenizer.encode(PROMPTS[1]), IMAGES[3], NEW_TOKENS)
+        assert want["output_ids"] == greedy
         url = f"http://127.0.0.1:{httpd.server_address[1]}/a.png"
         for source in (str(allowed / "a.png"), "file://" + str(allowed / "a.png"), url):
             got = _generate(srv, {"text": PROMPTS[1], "image_data": source})
