@@ -44,7 +44,11 @@ class Engine:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="srt-engine-loop")
         self._thread.start()
-        self.tm = self._call(self._make_tm(TokenizerManager))
+        try:
+            self.tm = self._call(self._make_tm(TokenizerManager))
+        except BaseException:
+            self.shutdown()
+            raise
 
     async def _make_tm(self, cls: type) -> Any:
         assert self._rt is not None
@@ -96,6 +100,7 @@ class Engine:
 
     async def _generate(self, body: dict[str, Any]) -> Any:
         parsed = self.tm.parse_generate_request(body)
+        await self.tm.load_images(parsed)
         self.tm.submit(parsed)
 
         async def never() -> bool:
@@ -119,7 +124,8 @@ class Engine:
         self._thread.join(timeout=5)
 
     async def _close(self) -> None:
-        await self.tm.close()
+        if getattr(self, "tm", None) is not None:  # None when start-up failed
+            await self.tm.close()
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in tasks:
             t.cancel()

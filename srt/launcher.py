@@ -157,5 +157,6 @@ def start_runtime(args: ServerArgs) -> Runtime:
         raise
     model = infos[MODEL_RANK0]
     limits = ModelLimits(model["context_length"], model["vocab_size"],
-                         model["max_total_num_tokens"])
+                         model["max_total_num_tokens"], model["image_token_id"],
+                         model["image_tokens"], model["image_size"])
     return Runtime(args, ports, supervisor, limits, model)

@@ -26,6 +26,10 @@ class ModelConfig:
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None
+    # Image input (LLaVA): the prompt's image token and how many positions one image fills.
+    image_token_id: int | None = None
+    image_tokens: int = 0
+    image_size: int = 0  # side of the square pixel input the vision tower takes
 
     @classmethod
     def load(cls, path: str, context_length: int | None = None) -> "ModelConfig":
@@ -35,10 +39,12 @@ class ModelConfig:
         archs = getattr(cfg, "architectures", None) or []
         if not archs:
             raise ValueError(f"{path}/config.json names no architecture")
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        ctx = context_length or getattr(cfg, "max_position_embeddings", None) or 2048
-        window = sliding_window(cfg)
+        # A multimodal config keeps the language model's facts in its text config.
+        text = cfg.get_text_config()
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        ctx = context_length or getattr(text, "max_position_embeddings", None) or 2048
+        window = sliding_window(text)
         if window is not None and ctx > window:
             # No backend restricts attention to a window; within the window full attention is
             # the same thing, so the context is capped there and longer requests get a 400.
@@ -49,28 +55,57 @@ class ModelConfig:
             )
             ctx = window
         eos: set[int] = set()
-        for src in (cfg, _generation_config(path, GenerationConfig)):
+        for src in (cfg, text, _generation_config(path, GenerationConfig)):
             value = getattr(src, "eos_token_id", None) if src is not None else None
             if isinstance(value, int):
                 eos.add(value)
             elif isinstance(value, (list, tuple)):
                 eos.update(int(v) for v in value)
         dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        image = image_input_facts(cfg)
         return cls(
             path=path,
             hf_config=cfg,
             architecture=archs[0],
-            hidden_size=cfg.hidden_size,
-            num_layers=cfg.num_hidden_layers,
+            hidden_size=text.hidden_size,
+            num_layers=text.num_hidden_layers,
             num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            vocab_size=cfg.vocab_size,
+            vocab_size=text.vocab_size,
             context_len=int(ctx),
             torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
             eos_token_ids=tuple(sorted(eos)),
             sliding_window=window,
+            image_token_id=image[0] if image else None,
+            image_tokens=image[1] if image else 0,
+            image_size=image[2] if image else 0,
         )
+
+
+def image_input_facts(hf_config: Any) -> tuple[int, int, int] | None:
+    """(image token id, positions per image, input side in pixels) of a LLaVA config, else
+    None. Positions per image: one per patch, plus the CLS position under the "full" feature
+    strategy ("default" drops it)."""
+    vision = getattr(hf_config, "vision_config", None)
+    if vision is None:
+        return None
+    token = getattr(hf_config, "image_token_id", None)
+    if token is None:
+        token = getattr(hf_config, "image_token_index", None)
+    if token is None:
+        raise ValueError("the model has a vision tower but its config names no image token")
+    patches = (vision.image_size // vision.patch_size) ** 2
+    strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported "
+                         "(default, full)")
+    n = patches + (1 if strategy == "full" else 0)
+    if n < 2:
+        # Pad ids start with the image token itself; with one position every image would
+        # get the same ids and share KV in the prefix cache.
+        raise ValueError(f"an image fills {n} position(s); at least 2 are needed")
+    return int(token), n, int(vision.image_size)
 
 
 def _generation_config(path: str, gen_cls: Any) -> Any:
@@ -104,6 +139,7 @@ def check_tp_size(path: str, tp_size: int) -> None:
     the launcher can say so before starting any process)."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
+    cfg = cfg.get("text_config") or cfg  # multimodal: the language model's heads
     heads = cfg.get("num_attention_heads")
     if heads is None:
         return

@@ -117,6 +117,7 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
 
     async def _openai_answer(request: Request, parsed: Any, c: dict[str, Any], chat: bool) -> Any:
         await tm.check_constraints(parsed)
+        await openai.load_images(parsed)
         tm.submit(parsed)
         if c["stream"]:
             return StreamingResponse(openai.stream(parsed, c, chat, request.is_disconnected),
@@ -133,6 +134,7 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
         http.admit("/generate", body)
         parsed = tm.parse_generate_request(body)
         await tm.check_constraints(parsed)
+        await tm.load_images(parsed)
         tm.submit(parsed)
         if parsed.stream:
             return StreamingResponse(_sse(request, parsed), media_type="text/event-stream")
@@ -173,7 +175,12 @@ def launch_server(args: ServerArgs) -> int:
     supervisor, ports = rt.supervisor, rt.ports
     from srt.managers.tokenizer_manager import TokenizerManager
 
-    tm = TokenizerManager(args, ports, rt.limits)
+    try:
+        tm = TokenizerManager(args, ports, rt.limits)
+    except (OSError, ValueError) as e:  # e.g. a LLaVA model without its preprocessor config
+        logger.error("%s", e)
+        rt.stop()
+        return 2
 
     def on_death(child: Child) -> None:
         logger.error("the %s died (%s); shutting the server down", child.name,

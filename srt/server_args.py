@@ -76,6 +76,10 @@ class ServerArgs:
                                             "compile before the request is refused (400).")
     constrained_max_states: int = _f(100000, "Most FSM states a regex / JSON schema may "
                                      "compile to before the request is refused (400).")
+    allowed_local_media_path: str | None = _f(
+        None, "Directory under which image_data may name local files (default: no file access).")
+    allow_image_urls: bool = _f(False, "Let image_data be an http(s) URL that the server "
+                                "fetches (off by default: it reaches any address the server can).")
     log_level: str = _f("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_stats_interval: float = _f(5.0, "Seconds between stats lines while busy.")
     log_requests: bool = _f(False, "Log each request's body and output text (escaped). Off: "
@@ -153,6 +157,10 @@ class ServerArgs:
             if key is not None and (not key.strip() or key != key.strip()):
                 raise ValueError(f"--{name.replace('_', '-')} must be non-empty, without "
                                  "surrounding spaces")
+        if self.allowed_local_media_path is not None and not os.path.isdir(
+                self.allowed_local_media_path):
+            raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path!r} is "
+                             "not a directory")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -65,3 +65,53 @@ def save_random_llama(path: str, dtype: str = "float32", seed: int = 0, init_std
 
     return save_random_model(path, LlamaConfig, LlamaForCausalLM, dtype, seed, init_std,
                              **overrides)
+
+
+IMAGE_TOKEN = "<image>"
+
+
+def save_random_llava(path: str, tokenizer_dir: str, seed: int = 0, init_std: float = 0.08,
+                      image_size: int = 56, patch_size: int = 14,
+                      vision_feature_select_strategy: str = "default") -> str:
+    """A small random LlavaForConditionalGeneration (CLIP vision tower, projector, Llama) saved
+    under `path` with the tokenizer of `tokenizer_dir` plus an added `<image>` token and a
+    CLIP image processor config (shortest edge and crop = image_size); returns `path`.
+
+    Weights as in save_random_model (matrices N(0, init_std); biases N(0, init_std) and norm
+    weights 1 + N(0, 0.2)), so that a loading mistake anywhere changes the tokens."""
+    import torch
+    from transformers import (AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig,
+                              LlavaConfig, LlavaForConditionalGeneration)
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_tokens([IMAGE_TOKEN], special_tokens=True)
+    image_token_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                       max_position_embeddings=1024, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                       eos_token_id=tok.eos_token_id)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, image_size=image_size,
+                              patch_size=patch_size, projection_dim=32)
+    config = LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                         image_token_index=image_token_id, vision_feature_layer=-2,
+                         vision_feature_select_strategy=vision_feature_select_strategy,
+                         image_seq_length=(image_size // patch_size) ** 2)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, init_std)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, init_std)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    CLIPImageProcessor(size={"shortest_edge": image_size},
+                       crop_size={"height": image_size, "width": image_size}
+                       ).save_pretrained(path)
+    return path

@@ -29,6 +29,19 @@ class ForwardMode(enum.Enum):
         return self in (ForwardMode.PREFILL, ForwardMode.EXTEND)
 
 
+@dataclass(frozen=True)
+class ImageSpanInput:
+    """The part of one image that an extend step computes: the image's projected features
+    `feature_start .. feature_start + count - 1` replace the embeddings of the step's new tokens
+    `row_start .. row_start + count - 1` (rows of `input_ids`). Positions of the image that the
+    prefix cache already holds are not part of the step and need no features."""
+
+    pixel_values: torch.Tensor  # [channels, height, width], preprocessed, on the host
+    row_start: int
+    feature_start: int
+    count: int
+
+
 @dataclass
 class ForwardBatch:
     """Inputs of one forward pass. Tensors are on the model's device unless named *_cpu.
@@ -56,6 +69,8 @@ class ForwardBatch:
     # EXTEND/PREFILL only: prompt positions whose logprobs the logits processor writes (None: no
     # request asked, and no extra work is done).
     prompt_logprobs: "PromptLogprobRequest | None" = None
+    # EXTEND/PREFILL only: image features to write over new tokens' embeddings (None: no image).
+    images: list[ImageSpanInput] | None = None
 
 
 _current: list[ForwardBatch] = []

@@ -53,6 +53,21 @@ class LogprobOptions:
 
 @message
 @dataclass
+class ImageInput:
+    """One preprocessed image (decoded, resized, cropped and normalized by the HTTP process).
+
+    pixel_values: the float32 array [channels, height, width] as raw little-endian bytes.
+    hash: hex SHA-256 of the shape and pixel values; the scheduler derives the image's pad
+    token ids from it, so the same image always gets the same ids.
+    """
+
+    pixel_values: bytes
+    shape: list[int]
+    hash: str
+
+
+@message
+@dataclass
 class TokenizedGenerateReq:
     """One validated, tokenized request (one sample: `n` is expanded by the HTTP process)."""
 
@@ -64,6 +79,8 @@ class TokenizedGenerateReq:
     # find the prompt's KV in the radix cache.
     group: str | None = None
     logprob: LogprobOptions | None = None  # None: no logprobs at all
+    # The prompt's image (its input_ids hold the image token exactly once), or None.
+    image: ImageInput | None = None
 
 
 @message

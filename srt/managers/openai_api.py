@@ -2,8 +2,9 @@
 
 `/v1/completions` and `/v1/chat/completions` are translated into native /generate requests, so
 they share one validation path (errors keep OpenAI's field names) and one way to run requests.
-Fields that are not implemented (tools, response formats, suffix, best_of > n) are refused with a
-400 naming the field rather than ignored.
+Fields that are not implemented (tools, suffix, best_of > n, more than one image) are refused
+with a 400 naming the field rather than ignored. Chat takes one `image_url` part in a user
+message (for a model with images); the chat template places the image token.
 
 Logprobs come from the native ones (the model's distribution: log_softmax of the raw logits).
 Completions: `logprobs` (0..20) gives {tokens, token_logprobs, top_logprobs, text_offset}, with
@@ -68,6 +69,20 @@ def _response_format(value: Any) -> dict[str, Any]:
         return {"json_schema": schema}
     raise RequestError(f"response_format type {kind!r} is not supported (text, json_object, "
                        "json_schema)", "response_format", "unsupported")
+
+
+def _image_url(value: Any, index: int) -> str:
+    """An image_url part's URL ({"url": ...}, or the URL itself)."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise RequestError(f"messages[{index}]: an image_url part needs image_url.url",
+                           "messages", "invalid_type")
+    return url
+
+
+def _inline(parts: list[dict[str, str]], image_text: str) -> str:
+    """A message's parts as one string, the image part replaced by image_text."""
+    return "".join(p["text"] if p["type"] == "text" else image_text for p in parts)
 
 
 def _finish_reason(reason: dict[str, Any] | None) -> str | None:
@@ -208,45 +223,96 @@ class OpenAIAdapter:
         top = self._top_count(body, "top_logprobs")
         if top is not None and not logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-        ids = self._chat_ids(body.get("messages"))
+        ids, image = self._chat_ids(body.get("messages"))
         budget_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is None:  # OpenAI's default: as much as the context leaves
             limits = self.tm.limits
-            max_tokens = max(0, min(limits.context_length, limits.max_total_num_tokens) - len(ids))
+            # an image fills image_tokens positions in place of its one token
+            prompt_len = len(ids) + (limits.image_tokens - 1 if image is not None else 0)
+            max_tokens = max(0, min(limits.context_length, limits.max_total_num_tokens)
+                             - prompt_len)
         native = {"input_ids": ids, "sampling_params": {**c["params"], "max_new_tokens": max_tokens},
                   "stream": c["stream"], **c["extra"]}
+        if image is not None:
+            native["image_data"] = image
         if logprobs:
             native.update(return_logprob=True, top_logprobs_num=top or 0,
                           return_text_in_logprobs=True)
         c["logprobs"] = bool(logprobs)
-        return self._parse_native(native, {"input_ids": "messages",
+        return self._parse_native(native, {"input_ids": "messages", "image_data": "messages",
                                            "max_new_tokens": budget_name}), c
 
-    def _chat_ids(self, messages: Any) -> list[int]:
+    async def load_images(self, parsed: ParsedRequest) -> None:
+        """TokenizerManager.load_images; a bad image is a 400 naming `messages`."""
+        try:
+            await self.tm.load_images(parsed)
+        except RequestError as e:
+            if e.param != "image_data":
+                raise
+            raise RequestError(f"the image_url part: {e}", "messages", e.code, e.status) from None
+
+    def _chat_ids(self, messages: Any) -> tuple[list[int], str | None]:
+        """The templated prompt's token ids, and the URL of its image (at most one per
+        request: an `image_url` part of a user message), or None."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list", "messages", "invalid_type")
-        clean = []
+        # Each message as a list of parts: {"type": "text", "text"} or {"type": "image"}.
+        parts_per_message: list[list[dict[str, str]]] = []
+        images: list[str] = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
                 raise RequestError(f"messages[{i}] needs a role of system, user or assistant",
                                    "messages", "invalid_value")
             content = m.get("content")
-            if isinstance(content, list):
-                if not all(isinstance(p, dict) and p.get("type") == "text"
-                           and isinstance(p.get("text"), str) for p in content):
-                    raise RequestError(f"messages[{i}].content: only text parts are supported",
-                                       "messages", "unsupported")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(content, str):
-                raise RequestError(f"messages[{i}].content must be a string or a list of text "
-                                   "parts", "messages", "invalid_type")
-            clean.append({"role": m["role"], "content": content})
+            if isinstance(content, str):
+                parts_per_message.append([{"type": "text", "text": content}])
+                continue
+            if not isinstance(content, list):
+                raise RequestError(f"messages[{i}].content must be a string or a list of parts",
+                                   "messages", "invalid_type")
+            parts = []
+            for p in content:
+                if isinstance(p, dict) and p.get("type") == "text" and isinstance(
+                        p.get("text"), str):
+                    parts.append({"type": "text", "text": p["text"]})
+                elif isinstance(p, dict) and p.get("type") == "image_url" \
+                        and m["role"] == "user":
+                    images.append(_image_url(p.get("image_url"), i))
+                    parts.append({"type": "image"})
+                else:
+                    raise RequestError(f"messages[{i}].content: only text parts, and image_url "
+                                       "parts in user messages, are supported", "messages",
+                                       "unsupported")
+            parts_per_message.append(parts)
+        if len(images) > 1:
+            raise RequestError("at most one image per request is supported", "messages",
+                               "unsupported")
+        roles = [m["role"] for m in messages]
+        if not images:
+            return self._apply_template(roles, [_inline(p, "") for p in parts_per_message]), None
+        token = self.tm.limits.image_token_id
+        if token is None:
+            raise RequestError("this model does not take images", "messages", "unsupported")
+        # A template written for images renders {"type": "image"} parts itself; for one that
+        # takes plain strings, the image token's text goes where the image part was.
+        try:
+            ids = self._apply_template(roles, parts_per_message)
+            if ids.count(token) == 1:
+                return ids, images[0]
+        except RequestError:
+            pass
+        text = self.tm.tokenizer.convert_ids_to_tokens(token)
+        return self._apply_template(roles, [_inline(p, text) for p in parts_per_message]), \
+            images[0]
+
+    def _apply_template(self, roles: list[str], contents: list[Any]) -> list[int]:
+        conversation = [{"role": r, "content": c} for r, c in zip(roles, contents)]
         try:
             ids = self.tm.tokenizer.apply_chat_template(
-                clean, add_generation_prompt=True, chat_template=self.chat_template
+                conversation, add_generation_prompt=True, chat_template=self.chat_template
             )
-        except ValueError as e:  # no template, or the template rejected the conversation
+        except Exception as e:  # no template, or the template rejected the conversation
             raise RequestError(f"the chat template failed: {e}", "messages") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
@@ -254,7 +320,7 @@ class OpenAIAdapter:
 
     def _usage(self, parsed: ParsedRequest, completion_tokens: int) -> dict[str, int]:
         # prompt tokens count once per prompt, not once per sample
-        prompts = {(r.group or r.rid): len(r.input_ids) for r in parsed.reqs}
+        prompts = {(r.group or r.rid): r.prompt_len for r in parsed.reqs}
         prompt_tokens = sum(prompts.values())
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}

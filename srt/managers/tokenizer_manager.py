@@ -19,12 +19,15 @@ import zmq.asyncio
 
 from srt.constrained.fsm import FSMCache, constraint_regex
 from srt.managers.comm import AsyncPullSocket, PushSocket
+from srt.managers.image_processor import ImageLoader
+from srt.managers.image_source import ImageError
 from srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
     FlushCacheOut,
     FlushCacheReq,
     GetStatsReq,
+    ImageInput,
     LogprobOptions,
     StatsOut,
     StrOut,
@@ -57,6 +60,11 @@ class ModelLimits:
     context_length: int
     vocab_size: int
     max_total_num_tokens: int
+    # Image input (LLaVA; None / 0 for a text-only model): the image token, the positions one
+    # image fills in the prompt, and the side of the square image the vision tower takes.
+    image_token_id: int | None = None
+    image_tokens: int = 0
+    image_size: int = 0
 
 
 @dataclass
@@ -68,6 +76,9 @@ class SingleRequest:
     group: str | None  # internal id shared by the samples of one prompt (n > 1)
     logprob: LogprobOptions | None = None
     parent_rid: str = ""  # the client's rid of the prompt (n > 1: the samples' rid is rid-k)
+    image_source: str | None = None  # the prompt's image_data entry
+    image: ImageInput | None = None  # set by load_images
+    prompt_len: int = 0  # tokens of the prompt in the KV cache (an image counts its positions)
     # Internal id on the wire: unique per submission, so a client reusing a rid right after an
     # abort can never be confused with the request being aborted.
     wire_rid: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -156,6 +167,9 @@ class TokenizerManager:
         # Sees each sample's submission, outputs and end (metrics, request log); set by the
         # server: on_submit(rid, stream), on_output(rid, StrOut), on_done(rid).
         self.observer: Any = None
+        self.images: ImageLoader | None = None
+        if limits.image_token_id is not None:
+            self.images = ImageLoader.create(args, limits.image_size)
 
     # ------------------------------------------------------------------ results
 
@@ -219,7 +233,8 @@ class TokenizerManager:
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object", None, "invalid_type")
         known = {"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob",
-                 "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
+                 "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+                 "image_data"}
         unknown = sorted(set(body) - known)
         if unknown:
             raise RequestError(f"unknown field {unknown[0]!r}", unknown[0], "unknown_field")
@@ -236,19 +251,26 @@ class TokenizerManager:
             prompt_ids, is_batch = self._parse_ids(input_ids)
         params = self._parse_params(body.get("sampling_params"), len(prompt_ids))
         rids = self._parse_rids(body.get("rid"), len(prompt_ids))
-        logprobs = self._parse_logprobs(body, prompt_ids)
         prompt_field = "text" if text is not None else "input_ids"
+        images = self._parse_images(body.get("image_data"), prompt_ids, prompt_field)
+        # With an image, prompt positions count the positions the image fills.
+        lens = [len(ids) + (self.limits.image_tokens - 1 if img is not None else 0)
+                for ids, img in zip(prompt_ids, images)]
+        logprobs = self._parse_logprobs(body, lens)
         reqs: list[SingleRequest] = []
-        for i, (ids, p, rid, lp) in enumerate(zip(prompt_ids, params, rids, logprobs)):
-            self._check_lengths(ids, p, prompt_field)
+        for i, (ids, p, rid, lp, img, n) in enumerate(
+                zip(prompt_ids, params, rids, logprobs, images, lens)):
+            self._check_lengths(n, p, prompt_field)
             if p.n == 1:
-                reqs.append(SingleRequest(rid, ids, p, len(reqs), None, lp, rid))
+                reqs.append(SingleRequest(rid, ids, p, len(reqs), None, lp, rid,
+                                          image_source=img, prompt_len=n))
                 continue
             group = uuid.uuid4().hex
             for k in range(p.n):
                 # each sample its own seed, or they would all draw the same tokens
                 pk = p if p.seed is None else dataclasses.replace(p, seed=(p.seed + k) % 2**63)
-                reqs.append(SingleRequest(f"{rid}-{k}", ids, pk, len(reqs), group, lp, rid))
+                reqs.append(SingleRequest(f"{rid}-{k}", ids, pk, len(reqs), group, lp, rid,
+                                          image_source=img, prompt_len=n))
         seen: set[str] = set()
         for r in reqs:
             if r.rid in self.user_rids or r.rid in seen:
@@ -367,11 +389,65 @@ class TokenizerManager:
         raise RequestError("rid must be a non-empty string, or a list of distinct strings with "
                            "one per prompt", "rid", "invalid_type")
 
+    def _parse_images(self, raw: Any, prompt_ids: list[list[int]],
+                      prompt_field: str) -> list[str | None]:
+        """image_data (a string, or a list with one string or null per prompt) -> per prompt
+        its image source. A prompt with an image holds the image token exactly once; one
+        without holds none."""
+        n = len(prompt_ids)
+        if raw is None:
+            sources: list[str | None] = [None] * n
+        elif isinstance(raw, str) and n == 1:
+            sources = [raw]
+        elif isinstance(raw, list) and len(raw) == n and all(
+                x is None or isinstance(x, str) for x in raw):
+            sources = list(raw)
+        else:
+            raise RequestError("image_data must be a string (one prompt), or a list with one "
+                               "string or null per prompt", "image_data", "invalid_type")
+        token = self.limits.image_token_id
+        if token is None:
+            if any(x is not None for x in sources):
+                raise RequestError("this model does not take images", "image_data",
+                                   "unsupported")
+            return sources
+        name = self.tokenizer.convert_ids_to_tokens(token)
+        for ids, src in zip(prompt_ids, sources):
+            count = ids.count(token)
+            if src is not None and src == "":
+                raise RequestError("image_data must not be empty", "image_data")
+            if src is not None and count != 1:
+                raise RequestError(f"a prompt with an image must hold the image token {name!r} "
+                                   f"exactly once (found {count})", prompt_field)
+            if src is None and count:
+                raise RequestError(f"the prompt holds the image token {name!r} but no "
+                                   "image_data was given", prompt_field)
+        return sources
+
+    async def load_images(self, parsed: ParsedRequest) -> None:
+        """Read, decode, preprocess and hash each distinct image of the request on worker
+        threads (off the event loop). RequestError (400, param image_data) for a bad one."""
+        if self.images is None:
+            return
+        sources = {r.image_source for r in parsed.reqs if r.image_source is not None}
+        if not sources:
+            return
+        loaded = dict(zip(sources, await asyncio.gather(
+            *(self.images.load(s) for s in sources), return_exceptions=True)))
+        for src, result in loaded.items():
+            if isinstance(result, ImageError):
+                raise RequestError(str(result), "image_data", result.code)
+            if isinstance(result, BaseException):
+                raise result
+        for r in parsed.reqs:
+            if r.image_source is not None:
+                r.image = loaded[r.image_source]
+
     def _parse_logprobs(self, body: dict[str, Any],
-                        prompt_ids: list[list[int]]) -> list[LogprobOptions | None]:
+                        prompt_lens: list[int]) -> list[LogprobOptions | None]:
         """The logprob fields (each a value, or a list with one per prompt) -> per prompt the
         options, or None where return_logprob is false."""
-        n = len(prompt_ids)
+        n = len(prompt_lens)
 
         def per_prompt(name: str, default: Any) -> list[Any]:
             raw = body.get(name)
@@ -392,18 +468,18 @@ class TokenizerManager:
                 raise RequestError(f"{name} must be in [{lo}, {hi}], got {v}", name)
 
         out: list[LogprobOptions | None] = []
-        for ids, ret, start, top, text in zip(
-            prompt_ids, per_prompt("return_logprob", False), per_prompt("logprob_start_len", -1),
+        for length, ret, start, top, text in zip(
+            prompt_lens, per_prompt("return_logprob", False), per_prompt("logprob_start_len", -1),
             per_prompt("top_logprobs_num", 0), per_prompt("return_text_in_logprobs", False),
         ):
             check_bool("return_logprob", ret)
-            check_int("logprob_start_len", start, -1, len(ids) - 1)
+            check_int("logprob_start_len", start, -1, length - 1)
             check_int("top_logprobs_num", top, 0, MAX_TOP_LOGPROBS)
             check_bool("return_text_in_logprobs", text)
             out.append(LogprobOptions(start, top, text) if ret else None)
         return out
 
-    def _check_lengths(self, ids: list[int], p: SamplingParams, prompt_field: str) -> None:
+    def _check_lengths(self, n_tokens: int, p: SamplingParams, prompt_field: str) -> None:
         """prompt + max_new_tokens must fit the context and the KV pool; the error names the
         prompt when the prompt alone does not fit, else max_new_tokens."""
         limits = [(self.limits.context_length, f"the context length {self.limits.context_length}",
@@ -412,17 +488,20 @@ class TokenizerManager:
                    f"the KV cache capacity ({self.limits.max_total_num_tokens} tokens)",
                    "kv_capacity_exceeded")]
         for limit, what, code in limits:
-            if len(ids) > limit:
-                raise RequestError(f"the prompt has {len(ids)} tokens: it exceeds {what}",
+            if n_tokens > limit:
+                raise RequestError(f"the prompt has {n_tokens} tokens: it exceeds {what}",
                                    prompt_field, code)
-            need = len(ids) + p.max_new_tokens
+            need = n_tokens + p.max_new_tokens
             if need > limit:
                 raise RequestError(
-                    f"the prompt has {len(ids)} tokens and max_new_tokens is "
+                    f"the prompt has {n_tokens} tokens and max_new_tokens is "
                     f"{p.max_new_tokens}: {need} exceeds {what}", "max_new_tokens", code)
 
     def submit(self, parsed: ParsedRequest) -> None:
-        """Register every sample's state, then send them to the router."""
+        """Register every sample's state, then send them to the router (after
+        `load_images` for a request with images)."""
+        if any(r.image_source is not None and r.image is None for r in parsed.reqs):
+            raise RuntimeError("submit before load_images: the request's image is not loaded")
         msgs = [
             TokenizedGenerateReq(
                 rid=r.wire_rid,
@@ -431,6 +510,7 @@ class TokenizerManager:
                 stream=parsed.stream,
                 group=r.group,
                 logprob=r.logprob,
+                image=r.image,
             )
             for r in parsed.reqs
         ]

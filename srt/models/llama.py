@@ -117,8 +117,11 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_embeds, when given, replaces the embedding of input_ids (a multimodal model
+        wrote image features into some rows)."""
+        x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)

@@ -6,6 +6,7 @@ import importlib
 
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "srt.models.llama:LlamaForCausalLM",
+    "LlavaForConditionalGeneration": "srt.models.llava:LlavaForConditionalGeneration",
     "MistralForCausalLM": "srt.models.mistral:MistralForCausalLM",
     "MixtralForCausalLM": "srt.models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "srt.models.qwen2:Qwen2ForCausalLM",

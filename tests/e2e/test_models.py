@@ -168,5 +168,5 @@ def test_unsupported_architecture_is_a_startup_error(checkpoints: Any,
     )
     assert proc.returncode != 0
     assert ("unsupported architecture 'FooForCausalLM'; supported: LlamaForCausalLM, "
-            "MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+            "LlavaForConditionalGeneration, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
             ) in proc.stderr

@@ -20,6 +20,7 @@ from srt.managers.io_struct import (
     FlushCacheOut,
     FlushCacheReq,
     GetStatsReq,
+    ImageInput,
     LogprobOptions,
     StatsOut,
     StepInput,
@@ -58,6 +59,8 @@ def samples() -> dict[str, list[Any]]:
     options = LogprobOptions(logprob_start_len=2, top_logprobs_num=20, return_text_in_logprobs=True)
     gen = TokenizedGenerateReq(rid="a1", input_ids=[1, 2, 3, 65535, 2**40], sampling_params=SP,
                                stream=True, group="g-1", logprob=options)
+    image = ImageInput(bytes(range(256)) * 3, [3, 8, 8], "0f" * 32)
+    with_image = TokenizedGenerateReq("im", [1, 49152, 2], SP, image=image)
     with_lp = dataclasses.replace(token_out("e5"), input_logprobs=PROMPT_LP,
                                   output_logprobs=TokenLogprobs([-2.5, -0.75, -0.125], [5, 6, 7],
                                                                 [[], [], []], [[], [], []]),
@@ -68,7 +71,8 @@ def samples() -> dict[str, list[Any]]:
     return {
         "LogprobOptions": [options, LogprobOptions()],
         "TokenLogprobs": [PROMPT_LP, TEXT_LP, TokenLogprobs()],
-        "TokenizedGenerateReq": [gen, TokenizedGenerateReq("x", [], {})],
+        "TokenizedGenerateReq": [gen, TokenizedGenerateReq("x", [], {}), with_image],
+        "ImageInput": [image],
         "AbortReq": [AbortReq("a1"), AbortReq("b", message="client gone ✓")],
         "FlushCacheReq": [FlushCacheReq("f")],
         "GetStatsReq": [GetStatsReq("s")],

@@ -49,6 +49,9 @@ class Req:
     fsm_future: Any = None
     fsm: Any = None
     fsm_state: int = 0
+    # The prompt's image (srt.managers.router.image_pads.ReqImage): origin_input_ids hold its
+    # pad ids; kept until the request finishes (a retracted request may need it again).
+    image: Any = None
 
     @property
     def fsm_pending(self) -> bool:

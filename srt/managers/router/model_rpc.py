@@ -19,7 +19,7 @@ import torch
 from srt.constrained.fsm import FSMCache, constraint_regex
 from srt.constrained.mask import constrained_forbidden, merge_forbidden
 from srt.layers import parallel_state
-from srt.layers.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.forward_batch import ForwardBatch, ForwardMode, ImageSpanInput
 from srt.layers.sampler import sample
 from srt.managers.io_struct import (
     AbortReq,
@@ -34,6 +34,7 @@ from srt.managers.io_struct import (
     TokenLogprobs,
     TokenOut,
 )
+from srt.managers.router.image_pads import ReqImage
 from srt.managers.router.infer_batch import Req, build_sampling_info
 from srt.managers.router.logprob_step import StepLogprobs, prefix_limit
 from srt.managers.router.model_runner import ModelRunner
@@ -133,8 +134,14 @@ class ModelRpcServer:
             }
         )
         self.arrivals += 1
-        req = Req(r.rid, list(r.input_ids), params, r.stream, r.group, arrival=self.arrivals,
-                  logprob=r.logprob)
+        ids, image = list(r.input_ids), None
+        if r.image is not None:
+            # The HTTP process checked that the prompt holds the image token exactly once.
+            ids, image = ReqImage.expand_prompt(
+                ids, r.image, self.config.image_token_id, self.config.image_tokens,
+                self.config.vocab_size)
+        req = Req(r.rid, ids, params, r.stream, r.group, arrival=self.arrivals,
+                  logprob=r.logprob, image=image)
         if params.constraint_key is not None:
             req.fsm_future = self._compile(params)
         self.waiting.append(req)
@@ -248,6 +255,10 @@ class ModelRpcServer:
             # Keep at least one token to compute, and every prompt position whose logprobs are
             # asked for: only computed positions have logits.
             r.prefix_indices, r.last_node = self.tree.match_prefix(r.fill_ids[: prefix_limit(r)])
+            if r.image is not None:
+                keep = r.image.safe_prefix_len(len(r.prefix_indices))
+                if keep < len(r.prefix_indices):
+                    r.prefix_indices, r.last_node = self.tree.match_prefix(r.fill_ids[:keep])
             r.extend_input_len = len(r.fill_ids) - len(r.prefix_indices)
         queue = order_queue(self.waiting, self.args.schedule_heuristic, self.rng, self.tree.root)
         adm = Admission.start(
@@ -303,6 +314,7 @@ class ModelRpcServer:
         table = self.req_pool.req_to_token
         input_ids: list[int] = []
         positions: list[int] = []
+        images: list[ImageSpanInput] = []
         offset = 0
         for r, ext in zip(batch, ext_lens):
             row = self.req_pool.alloc()
@@ -312,6 +324,9 @@ class ModelRpcServer:
             pre = len(r.prefix_indices)
             table[row, :pre] = r.prefix_indices.to(table.device, torch.int32)
             table[row, pre : pre + ext] = slots[offset : offset + ext].to(table.device, torch.int32)
+            span = r.image.step_span(pre, ext, offset) if r.image is not None else None
+            if span is not None:
+                images.append(span)
             offset += ext
             input_ids.extend(r.fill_ids[pre:])
             positions.extend(range(pre, pre + ext))
@@ -322,7 +337,7 @@ class ModelRpcServer:
         prefix_lens = [len(r.prefix_indices) for r in batch]
         mode = ForwardMode.EXTEND if any(prefix_lens) else ForwardMode.PREFILL
         next_ids, prompt_lps, out_lps = self._run(batch, mode, input_ids, positions, slots,
-                                                  prefix_lens, ext_lens)
+                                                  prefix_lens, ext_lens, images or None)
         for r, tok, prompt_lp, out_lp in zip(batch, next_ids, prompt_lps, out_lps):
             if not self.tree.disable:
                 self._cache_filled(r)
@@ -394,7 +409,7 @@ class ModelRpcServer:
 
     def _run(self, batch: list[Req], mode: ForwardMode, input_ids: list[int],
              positions: list[int], out_cache_loc: torch.Tensor, prefix_lens: list[int],
-             extend_lens: list[int]
+             extend_lens: list[int], images: list[ImageSpanInput] | None = None,
              ) -> tuple[list[int], list[TokenLogprobs | None], list[TokenLogprobs | None]]:
         """One forward and sampling: (next ids, prompt logprobs, logprobs of the next ids) per
         request of the batch (None where not asked)."""
@@ -417,6 +432,7 @@ class ModelRpcServer:
             req_to_token_pool=self.req_pool,
             token_to_kv_pool=self.pool,
             attn_backend=self.runner.attn_backend,
+            images=images,
         )
         lps = None
         if any(r.logprob is not None for r in batch):
@@ -618,6 +634,9 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, parent_pid: in
             "max_total_num_tokens": info.max_total_num_tokens,
             "context_length": server.config.context_len,
             "vocab_size": server.config.vocab_size,
+            "image_token_id": server.config.image_token_id,
+            "image_tokens": server.config.image_tokens,
+            "image_size": server.config.image_size,
             "device": info.device,
             "dtype": info.dtype,
             "attention_backend": info.attention_backend,
