@@ -10,8 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+import logging
+
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,10 +53,76 @@ def tp_size() -> int:
     return _group.size
 
 
+class _OneShotAllReduce:
+    """All-reduce of small tensors in one kernel over a PyTorch symmetric-memory buffer: each
+    rank copies its tensor into its buffer, then reads every peer's buffer over NVLink and sums
+    in rank order (the same order on every rank, so the results are bitwise equal). NCCL's ring
+    pays a fixed latency of about 18 us per call on two H200s, which at batch 1 is more than the
+    matmuls of a TP 2 layer; this pays a few. Graph-capturable: the buffer never moves."""
+
+    def __init__(self, max_bytes: int, dtype: torch.dtype, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = dist.group.WORLD.group_name
+        self.dtype = dtype
+        self.max_numel = max_bytes // dtype.itemsize
+        self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        # 16-byte multiples: the kernel moves 16 bytes at a time
+        return (x.dtype == self.dtype and x.numel() <= self.max_numel
+                and (x.numel() * x.element_size()) % 16 == 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        buf = self.buffer[: x.numel()]
+        buf.copy_(x.reshape(-1))
+        return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group_name).view(x.shape)
+
+
+_one_shot: _OneShotAllReduce | None = None
+
+
+def init_one_shot_all_reduce(max_bytes: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Route all-reduces of up to max_bytes through `_OneShotAllReduce` (CUDA, TP > 1). Every
+    rank must call it; if any rank cannot set it up, none uses it (NCCL for all). Returns
+    whether it is in use."""
+    global _one_shot
+    if _group.size == 1 or device.type != "cuda":
+        return False
+    ok = True
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+
+        ok = hasattr(torch.ops.symm_mem, "one_shot_all_reduce")
+    except Exception:  # noqa: BLE001 - any import failure means: not available
+        ok = False
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if not flag.item():
+        logger.info("one-shot all-reduce unavailable: NCCL for every all-reduce")
+        return False
+    try:
+        impl = _OneShotAllReduce(max_bytes, dtype, device)
+        probe = torch.full((8,), float(_group.rank + 1), dtype=dtype, device=device)
+        good = bool((impl(probe) == sum(range(1, _group.size + 1))).all())
+    except Exception as e:  # noqa: BLE001 - fall back to NCCL on any failure
+        logger.warning("one-shot all-reduce failed to start (%s): NCCL for every all-reduce", e)
+        good = False
+    flag = torch.tensor([int(good)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if flag.item():
+        _one_shot = impl
+        logger.info("all-reduces up to %d KiB: one-shot over symmetric memory", max_bytes >> 10)
+    return _one_shot is not None
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks. Every rank gets bitwise the same result."""
     if _group.size == 1:
         return x
+    if _one_shot is not None and _one_shot.fits(x):
+        return _one_shot(x)
     x = x.contiguous()
     dist.all_reduce(x)
     return x
