@@ -80,10 +80,10 @@ class ServerArgs:
         None, "Directory under which image_data may name local files (default: no file access).")
     allow_image_urls: bool = _f(False, "Let image_data be an http(s) URL that the server "
                                 "fetches (off by default: it reaches any address the server can).")
-    disable_custom_all_reduce: bool = _f(False, "Use NCCL for every tensor-parallel "
-                                         "all-reduce. By default the small ones (decode steps, "
-                                         "up to 512 KiB) take a one-shot all-reduce over PyTorch "
-                                         "symmetric memory when the GPUs support it.")
+    enable_custom_all_reduce: bool = _f(False, "Send tensor-parallel all-reduces of up to 512 "
+                                        "KiB (decode steps) through a one-shot all-reduce over "
+                                        "PyTorch symmetric memory instead of NCCL (on two H200s "
+                                        "it measured no faster: 18.2 vs 17.7 us per call).")
     log_level: str = _f("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_stats_interval: float = _f(5.0, "Seconds between stats lines while busy.")
     log_requests: bool = _f(False, "Log each request's body and output text (escaped). Off: "

@@ -81,7 +81,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, config.torch_dtype, self.device)
         torch.manual_seed(args.random_seed or 0)
         self.model = self._load_model()
-        if not args.disable_custom_all_reduce:
+        if args.enable_custom_all_reduce:
             parallel_state.init_one_shot_all_reduce(ONE_SHOT_MAX_BYTES, self.dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         kv_bytes_per_token = (
