@@ -39,6 +39,7 @@ from srt.managers.router.logprob_step import StepLogprobs, prefix_limit
 from srt.managers.router.model_runner import ModelRunner
 from srt.managers.router.radix_cache import RadixCache
 from srt.managers.router.scheduler import Admission, order_queue
+from srt.managers.router.step_timing import StepTimer
 from srt.model_config import ModelConfig
 from srt.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
@@ -99,6 +100,7 @@ class ModelRpcServer:
         self.generated_since_log = 0
         self.last_log = time.monotonic()
         self.retracted_total = 0
+        self.step_timer = StepTimer()
 
     # ------------------------------------------------------------------ one round
 
@@ -237,6 +239,7 @@ class ModelRpcServer:
                 "kv_heads": self.runner.model_kv_heads(),
                 "gb": round(info.kv_gb, 4),
             },
+            "decode_step_times": self.step_timer.snapshot(),
         }
 
     # ------------------------------------------------------------------ fill
@@ -298,6 +301,7 @@ class ModelRpcServer:
         return slots
 
     def _forward_fill(self, batch: list[Req], outs: list[TokenOut]) -> None:
+        self.step_timer.break_chain()
         ext_lens = [r.extend_input_len for r in batch]
         slots = self._alloc_slots(sum(ext_lens))
         table = self.req_pool.req_to_token
@@ -338,6 +342,7 @@ class ModelRpcServer:
     # ------------------------------------------------------------------ decode
 
     def _forward_decode(self, outs: list[TokenOut]) -> None:
+        self.step_timer.begin()
         self._ensure_decode_memory(outs)
         batch = self.running
         slots = self._alloc_slots(len(batch))
@@ -355,6 +360,7 @@ class ModelRpcServer:
             self._append_token(r, tok, out_lp)
         self.ratio.step()
         self._settle(batch, outs, newly_running=False)
+        self.step_timer.end(len(batch))
 
     def _ensure_decode_memory(self, outs: list[TokenOut]) -> None:
         """Make room for one new token per running request: evict, then retract."""
@@ -422,7 +428,9 @@ class ModelRpcServer:
         if any(r.logprob is not None for r in batch):
             lps = StepLogprobs(batch, mode, prefix_lens, extend_lens, dev)
             fb.prompt_logprobs = lps.prompt_request
+        self.step_timer.mark("prepare")
         logits = self.runner.forward(fb)
+        self.step_timer.mark("forward")
         info = build_sampling_info(
             batch, logits.shape[-1], dev, [self._stop_ids(r) for r in batch]
         )
@@ -430,15 +438,19 @@ class ModelRpcServer:
             rows = [(r.fsm, r.fsm_state) if r.fsm is not None else None for r in batch]
             info.forbidden = merge_forbidden(
                 info.forbidden, constrained_forbidden(rows, logits.shape[-1], dev))
+        self.step_timer.mark("sample_prep")
         ids = sample(logits, info, self.runner.sampler_generator)
         # Rank 0 samples for all: ranks hold bitwise-equal logits and generators, but one
         # small broadcast makes it impossible for their schedules to drift apart.
         ids = parallel_state.broadcast_from_first(ids)
         if lps is not None:
             # Logprobs of the raw logits (the model's distribution), moved with the ids.
-            return lps.collect(logits, ids)
-        none: list[TokenLogprobs | None] = [None] * len(batch)
-        return ids.tolist(), none, none  # the one device-to-host copy of the step
+            result = lps.collect(logits, ids)
+        else:
+            none: list[TokenLogprobs | None] = [None] * len(batch)
+            result = ids.tolist(), none, none  # the one device-to-host copy of the step
+        self.step_timer.mark("sample")
+        return result
 
     def _stop_ids(self, req: Req) -> set[int]:
         ids = set(req.sampling_params.stop_token_ids)
