@@ -39,6 +39,7 @@ from srt.managers.router.logprob_step import StepLogprobs, prefix_limit
 from srt.managers.router.model_runner import ModelRunner
 from srt.managers.router.radix_cache import RadixCache
 from srt.managers.router.scheduler import Admission, order_queue
+from srt.managers.router.step_inputs import StepInputBuilder
 from srt.managers.router.step_timing import StepTimer
 from srt.model_config import ModelConfig
 from srt.sampling_params import SamplingParams
@@ -101,6 +102,7 @@ class ModelRpcServer:
         self.last_log = time.monotonic()
         self.retracted_total = 0
         self.step_timer = StepTimer()
+        self.step_inputs = StepInputBuilder(self.runner.device)
 
     # ------------------------------------------------------------------ one round
 
@@ -346,12 +348,7 @@ class ModelRpcServer:
         self._ensure_decode_memory(outs)
         batch = self.running
         slots = self._alloc_slots(len(batch))
-        rows = torch.tensor([r.req_pool_idx for r in batch], dtype=torch.int64)
         positions = [r.kv_len for r in batch]
-        table = self.req_pool.req_to_token
-        table[rows.to(table.device), torch.tensor(positions, device=table.device)] = slots.to(
-            table.device, torch.int32
-        )
         input_ids = [r.output_ids[-1] for r in batch]
         next_ids, _, out_lps = self._run(
             batch, ForwardMode.DECODE, input_ids, positions, slots, positions, [1] * len(batch)
@@ -409,14 +406,19 @@ class ModelRpcServer:
             seq_lens = [p + 1 for p in positions]
         else:
             seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        t = self.step_inputs.build(input_ids, positions, out_cache_loc,
+                                   [r.req_pool_idx for r in batch], seq_lens)
+        if mode == ForwardMode.DECODE:  # the new token's slot: req_to_token[row, position]
+            self.req_pool.req_to_token[t.req_pool_indices, t.positions] = t.out_cache_loc.to(
+                torch.int32)
         fb = ForwardBatch(
             forward_mode=mode,
             batch_size=len(batch),
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            out_cache_loc=out_cache_loc.to(dev),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in batch], device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            input_ids=t.input_ids,
+            positions=t.positions,
+            out_cache_loc=t.out_cache_loc,
+            req_pool_indices=t.req_pool_indices,
+            seq_lens=t.seq_lens,
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=prefix_lens,
             extend_lens_cpu=extend_lens,
@@ -431,9 +433,7 @@ class ModelRpcServer:
         self.step_timer.mark("prepare")
         logits = self.runner.forward(fb)
         self.step_timer.mark("forward")
-        info = build_sampling_info(
-            batch, logits.shape[-1], dev, [self._stop_ids(r) for r in batch]
-        )
+        info = build_sampling_info(batch, logits.shape[-1], dev, self._stop_ids)
         if any(r.fsm is not None for r in batch):
             rows = [(r.fsm, r.fsm_state) if r.fsm is not None else None for r in batch]
             info.forbidden = merge_forbidden(
@@ -474,7 +474,7 @@ class ModelRpcServer:
                 return
             req.fsm_state = state
         if len(req.output_ids) >= p.min_new_tokens:
-            if tok in self._stop_ids(req):
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
                 req.finish_reason = {"type": "stop", "matched": tok}
                 return
             matched = self._match_stop_string(req)
