@@ -32,6 +32,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -257,6 +258,8 @@ def main() -> None:
     rates = parse_rates(a.request_rate or ["inf"])
     concs: list[int | None] = list(a.max_concurrency or [None])
     configs = [RunConfig(r, c) for r in rates for c in concs]
+    # `timeout` stops a benchmark with SIGTERM: unwind, so that a launched server is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     srv = None
     base_url = a.base_url
     model_dir = a.tokenizer
