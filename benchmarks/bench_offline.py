@@ -10,6 +10,13 @@ every request starts at once, the sum over decode steps of max((weight bytes + K
 live contexts) / copy bandwidth, FLOPs / matmul rate), plus prefill FLOPs / matmul rate, with
 both rates measured here (per rank for --tp-size > 1: each rank holds 1/tp of weights, KV and
 FLOPs).
+
+Also printed: the host time per decode step by batch-size bucket during the run (rank 0's
+phase counters, `srt/managers/router/step_timing.py`). `--compare-hf` then runs the first
+`--hf-requests` prompts (each `--hf-output-len` tokens out, ignore_eos, temperature 0.6) through
+srt and through transformers' continuous batching (`generate_batch`, the same random-weight
+shape), and prints the throughput ratio. `--input-len-cap` / `--output-len-cap` shrink the
+workload for a CPU smoke test.
 """
 
 from __future__ import annotations
@@ -19,8 +26,12 @@ import random
 import sys
 import time
 
-from benchmarks.common import Shape, add_engine_args, copy_bandwidth, hardware, matmul_rate, \
-    print_table, start_engine, write_json
+import torch
+
+from benchmarks.common import Shape, add_engine_args, copy_bandwidth, decode_step_times, \
+    hardware, matmul_rate, print_table, start_engine, write_json
+from benchmarks.hf_baseline import run_hf_generate_batch
+from srt.managers.router.step_timing import per_step_ms
 
 W1_OUTPUT_TOKENS = 133_966
 
@@ -50,27 +61,68 @@ def floor_seconds(shape: Shape, in_lens: list[int], out_lens: list[int], bw: flo
     return total
 
 
+def print_step_times(steps: dict) -> None:
+    """The per-bucket table of `per_step_ms`."""
+    cols = ["batch", "steps", "mean_batch", "host_ms", "gap_ms", "prepare_ms", "forward_ms",
+            "sample_prep_ms", "sample_ms", "post_ms"]
+    rows = [{"batch": f"<={b}", **v} for b, v in steps["by_batch"].items()]
+    if steps["total"] is not None:
+        rows.append({"batch": "all", **steps["total"]})
+    print("decode steps, ms per step (host = gap + prepare + sample_prep + post):")
+    print_table(rows, cols)
+
+
+def srt_fixed_len(engine: object, prompts: list[list[int]], out_len: int) -> dict:
+    """The `--compare-hf` workload through srt: every prompt at once, out_len tokens each."""
+    params = {"temperature": 0.6, "ignore_eos": True, "max_new_tokens": out_len}
+    t = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    wall = time.perf_counter() - t
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    return {"requests": len(prompts), "output_tokens": tokens, "wall_s": wall,
+            "out_tok_per_s": tokens / wall}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     add_engine_args(p)
     p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len-cap", type=int, default=None, help="truncate prompts (smoke)")
+    p.add_argument("--output-len-cap", type=int, default=None, help="cap outputs (smoke)")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also run the first --hf-requests prompts through transformers")
+    p.add_argument("--hf-requests", type=int, default=64)
+    p.add_argument("--hf-output-len", type=int, default=520)
     a = p.parse_args()
 
     prompts, out_lens = w1_workload(a.num_prompts)
     if a.num_prompts == 256:
         assert sum(out_lens) == W1_OUTPUT_TOKENS, sum(out_lens)
+    vocab = Shape.of(a.shape).vocab
+    if vocab <= 10000:  # only the test shape: keep W1's ids inside its vocabulary
+        prompts = [[t % vocab for t in x] for x in prompts]
+    if a.input_len_cap:
+        prompts = [x[: a.input_len_cap] for x in prompts]
+    if a.output_len_cap:
+        out_lens = [min(n, a.output_len_cap) for n in out_lens]
     bw, flops = copy_bandwidth(), matmul_rate()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the engine sizes its pool from the free memory
     shape = Shape.of(a.shape)
     floor = floor_seconds(shape, [len(x) for x in prompts], out_lens, bw, flops, a.tp_size)
+    hf_prompts = prompts[: a.hf_requests]
     engine, startup = start_engine(a)
     with engine:
         info = engine.model_info
         engine.generate(input_ids=[1, 2, 3, 4, 5], sampling_params={"max_new_tokens": 16})
         params = [{"temperature": 0.6, "ignore_eos": True, "max_new_tokens": n}
                   for n in out_lens]
+        before = decode_step_times(engine)
         t = time.perf_counter()
         outs = engine.generate(input_ids=prompts, sampling_params=params)
         wall = time.perf_counter() - t
+        steps = per_step_ms(before, decode_step_times(engine))
+        srt_hf = srt_fixed_len(engine, hf_prompts, a.hf_output_len) if a.compare_hf else None
     produced = sum(o["meta_info"]["completion_tokens"] for o in outs)
     assert produced == sum(out_lens), (produced, sum(out_lens))
     row = {
@@ -79,10 +131,22 @@ def main() -> None:
         "wall_s": wall, "out_tok_per_s": produced / wall, "floor_s": floor,
         "of_floor": floor / wall, "kv_pool_tokens": info["max_total_num_tokens"],
         "startup_s": startup,
+        "host_ms_per_step": steps["total"]["host_ms"] if steps["total"] else None,
     }
     print_table([row], list(row))
+    print_step_times(steps)
+    compare = None
+    if srt_hf is not None:
+        hf = run_hf_generate_batch(a.shape, hf_prompts, a.hf_output_len, a.dtype)
+        compare = {"srt": srt_hf, "hf": hf,
+                   "srt_over_hf": srt_hf["out_tok_per_s"] / hf["out_tok_per_s"]}
+        print(f"first {len(hf_prompts)} prompts, {a.hf_output_len} tokens out each:")
+        print_table([{"runtime": "srt", **srt_hf}, {"runtime": "transformers", **hf}],
+                    ["runtime", "requests", "output_tokens", "wall_s", "out_tok_per_s"])
+        print(f"srt / transformers generate_batch: {compare['srt_over_hf']:.2f}x")
     write_json(a.out, {"bench": "offline_w1", "argv": sys.argv, "hardware": hardware(),
-                       "copy_bandwidth_Bps": bw, "matmul_flops": flops, **row})
+                       "copy_bandwidth_Bps": bw, "matmul_flops": flops, **row,
+                       "decode_step_ms": steps, "compare_hf": compare})
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ SHAPES: dict[str, dict[str, Any]] = {
                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                          max_position_embeddings=8192, rope_theta=100000.0,
                          tie_word_embeddings=True),
+    # Not a real model: two small layers, for tests of the benchmark scripts on the CPU.
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+                 max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True),
 }
 
 
@@ -91,28 +95,57 @@ def add_engine_args(p: Any) -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest captured decode batch (default: the server's)")
     p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="bfloat16",
+                   help="float32 is faster for a CPU smoke test")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV pool size (default: from --mem-fraction-static)")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="most new tokens in one fill batch (default: the server's)")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--out", default=None)
 
 
-def start_engine(a: Any) -> tuple[Any, float]:
-    """An srt.Engine on the shape `a.shape` with random bf16 weights, and its start-up seconds."""
+def engine_kwargs(a: Any) -> dict[str, Any]:
+    """ServerArgs fields for the arguments of `add_engine_args` (random weights, seed 0)."""
+    kw: dict[str, Any] = dict(
+        load_format="dummy", dtype=a.dtype, device=a.device, tp_size=a.tp_size,
+        attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph,
+        disable_radix_cache=a.disable_radix_cache, random_seed=0, log_level=a.log_level)
+    if a.cuda_graph_max_bs is not None:
+        kw["cuda_graph_max_bs"] = a.cuda_graph_max_bs
+    if a.max_total_tokens is not None:
+        kw["max_total_tokens"] = a.max_total_tokens
+    if a.max_prefill_tokens is not None:
+        kw["max_prefill_tokens"] = a.max_prefill_tokens
+    return kw
+
+
+def start_engine(a: Any, **overrides: Any) -> tuple[Any, float]:
+    """An srt.Engine on the shape `a.shape` with random weights (`engine_kwargs(a)`, then
+    `overrides`), and its start-up seconds."""
     import srt
 
     model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix=f"srt-{a.shape}-"))
     t0 = time.perf_counter()
-    engine = srt.Engine(model_dir, load_format="dummy", dtype="bfloat16", tp_size=a.tp_size,
-                        attention_backend=a.attention_backend,
-                        disable_cuda_graph=a.disable_cuda_graph,
-                        **({} if a.cuda_graph_max_bs is None
-                           else {"cuda_graph_max_bs": a.cuda_graph_max_bs}),
-                        disable_radix_cache=a.disable_radix_cache, random_seed=0,
-                        log_level=a.log_level)
+    engine = srt.Engine(model_dir, **{**engine_kwargs(a), **overrides})
     return engine, time.perf_counter() - t0
 
 
+def decode_step_times(engine: Any) -> dict[str, Any]:
+    """Rank 0's decode-step phase sums (seconds) so far; difference two with
+    `srt.managers.router.step_timing.per_step_ms`."""
+    return engine.get_server_info()["decode_step_times"]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def cuda_time_ms(fn: Callable[[], Any], warmup: int = 5, iters: int = 20) -> float:
-    """Median device time of fn in ms (CUDA events)."""
+    """Median device time of fn in ms (CUDA events; wall time where there is no GPU)."""
+    if not torch.cuda.is_available():
+        return wall_time_ms(fn, warmup=1, iters=3)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -127,26 +160,43 @@ def cuda_time_ms(fn: Callable[[], Any], warmup: int = 5, iters: int = 20) -> flo
     return statistics.median(times)
 
 
-def copy_bandwidth(device: str = "cuda") -> float:
-    """Bytes read + written per second by a 2 GiB device-to-device copy."""
-    src = torch.empty(1 << 30, dtype=torch.float16, device=device).normal_()
+def wall_time_ms(fn: Callable[[], Any], warmup: int = 1, iters: int = 3) -> float:
+    """Median wall time of fn in ms (the CPU stand-in for `cuda_time_ms`)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: str | None = None) -> float:
+    """Bytes read + written per second by a device-to-device copy (2 GiB; 256 MiB on the CPU)."""
+    device = device or default_device()
+    numel = (1 << 30) if device != "cpu" else (1 << 27)
+    src = torch.empty(numel, dtype=torch.float16, device=device).normal_()
     dst = torch.empty_like(src)
     ms = cuda_time_ms(lambda: dst.copy_(src))
-    return 2 * (1 << 30) * 2 / (ms / 1e3)
+    return 2 * numel * 2 / (ms / 1e3)
 
 
-def matmul_rate(device: str = "cuda", n: int = 8192) -> float:
-    """bf16 FLOP/s of an n^3 matmul."""
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+def matmul_rate(device: str | None = None, n: int | None = None) -> float:
+    """FLOP/s of an n^3 matmul: bf16 8192^3 on a GPU, float32 1024^3 on the CPU."""
+    device = device or default_device()
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    n = n or (8192 if device != "cpu" else 1024)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
     ms = cuda_time_ms(lambda: a @ b)
     return 2 * n**3 / (ms / 1e3)
 
 
 def hardware() -> dict[str, Any]:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"gpus": gpus, "torch": torch.__version__, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d")}
+    return {"gpus": gpus, "cpus": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
 
 
 def write_json(path: str | None, data: dict[str, Any]) -> None:

@@ -109,6 +109,10 @@ class Engine:
         results = await self.tm.wait_all(parsed, never)
         return results if parsed.is_batch else results[0]
 
+    def flush_cache(self) -> bool:
+        """Empty the radix cache, as POST /flush_cache; False (nothing done) while requests run."""
+        return bool(self._call(self.tm.flush_cache()).success)
+
     def get_server_info(self) -> dict[str, Any]:
         """Live figures of rank 0's model process (KV pool, queues, cache hit rate)."""
         return self._call(self.tm.get_stats())

@@ -19,7 +19,8 @@ def req(prompt: list[int], out: list[int] | None = None, **params: object) -> Re
 
 
 def info_for(reqs: list[Req], vocab: int, stop_ids: list[set[int]] | None = None) -> SamplingBatchInfo:
-    return build_sampling_info(reqs, vocab, CPU, stop_ids or [set() for _ in reqs])
+    by_req = {id(r): s for r, s in zip(reqs, stop_ids or [set() for _ in reqs])}
+    return build_sampling_info(reqs, vocab, CPU, lambda r: by_req[id(r)])
 
 
 def manual_info(bs: int, vocab: int, *, temperature: float = 1.0, top_p: float = 1.0,

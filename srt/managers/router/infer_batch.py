@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -83,17 +83,23 @@ class Req:
 
 
 def build_sampling_info(
-    reqs: list[Req], vocab_size: int, device: torch.device, stop_ids: list[set[int]]
+    reqs: list[Req], vocab_size: int, device: torch.device,
+    stop_ids: Callable[[Req], set[int]]
 ) -> SamplingBatchInfo:
-    """Per-row sampling tensors for `reqs` (stop_ids[i]: tokens min_new_tokens keeps out)."""
+    """Per-row sampling tensors for `reqs` (stop_ids(r): the tokens min_new_tokens keeps out of
+    r's output; asked only of rows below their min_new_tokens)."""
     ps = [r.sampling_params for r in reqs]
     temps = [p.temperature if not p.is_greedy else 0.0 for p in ps]
     top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
+    # One host-to-device copy for the four per-row parameters (top-k fits float32 exactly:
+    # vocabularies are far below 2**24).
+    rows = torch.tensor([temps, [p.top_p for p in ps], top_ks, [p.min_p for p in ps]],
+                        dtype=torch.float32).to(device, non_blocking=True)
     info = SamplingBatchInfo(
-        temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
-        top_ps=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
-        top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-        min_ps=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device),
+        temperatures=rows[0],
+        top_ps=rows[1],
+        top_ks=rows[2].to(torch.int64),
+        min_ps=rows[3],
         all_greedy=all(t == 0.0 for t in temps),
         need_top_p_k=any(p.top_p < 1.0 or 0 < p.top_k < vocab_size for p in ps),
         need_min_p=any(p.min_p > 0 for p in ps),
@@ -103,9 +109,9 @@ def build_sampling_info(
     if any(p.uses_penalties for p in ps):
         _add_penalties(info, reqs, vocab_size, device)
     forbid = [
-        (i, sorted(stop_ids[i]))
+        (i, sorted(ids))
         for i, r in enumerate(reqs)
-        if len(r.output_ids) < r.sampling_params.min_new_tokens and stop_ids[i]
+        if len(r.output_ids) < r.sampling_params.min_new_tokens and (ids := stop_ids(r))
     ]
     if forbid:
         mask = torch.zeros((len(reqs), vocab_size), dtype=torch.bool)

@@ -40,6 +40,8 @@ from srt.managers.router.logprob_step import StepLogprobs, prefix_limit
 from srt.managers.router.model_runner import ModelRunner
 from srt.managers.router.radix_cache import RadixCache
 from srt.managers.router.scheduler import Admission, order_queue
+from srt.managers.router.step_inputs import StepInputBuilder
+from srt.managers.router.step_timing import StepTimer
 from srt.model_config import ModelConfig
 from srt.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
@@ -100,6 +102,8 @@ class ModelRpcServer:
         self.generated_since_log = 0
         self.last_log = time.monotonic()
         self.retracted_total = 0
+        self.step_timer = StepTimer()
+        self.step_inputs = StepInputBuilder(self.runner.device)
 
     # ------------------------------------------------------------------ one round
 
@@ -244,6 +248,7 @@ class ModelRpcServer:
                 "kv_heads": self.runner.model_kv_heads(),
                 "gb": round(info.kv_gb, 4),
             },
+            "decode_step_times": self.step_timer.snapshot(),
         }
 
     # ------------------------------------------------------------------ fill
@@ -309,6 +314,7 @@ class ModelRpcServer:
         return slots
 
     def _forward_fill(self, batch: list[Req], outs: list[TokenOut]) -> None:
+        self.step_timer.break_chain()
         ext_lens = [r.extend_input_len for r in batch]
         slots = self._alloc_slots(sum(ext_lens))
         table = self.req_pool.req_to_token
@@ -353,15 +359,11 @@ class ModelRpcServer:
     # ------------------------------------------------------------------ decode
 
     def _forward_decode(self, outs: list[TokenOut]) -> None:
+        self.step_timer.begin()
         self._ensure_decode_memory(outs)
         batch = self.running
         slots = self._alloc_slots(len(batch))
-        rows = torch.tensor([r.req_pool_idx for r in batch], dtype=torch.int64)
         positions = [r.kv_len for r in batch]
-        table = self.req_pool.req_to_token
-        table[rows.to(table.device), torch.tensor(positions, device=table.device)] = slots.to(
-            table.device, torch.int32
-        )
         input_ids = [r.output_ids[-1] for r in batch]
         next_ids, _, out_lps = self._run(
             batch, ForwardMode.DECODE, input_ids, positions, slots, positions, [1] * len(batch)
@@ -370,6 +372,7 @@ class ModelRpcServer:
             self._append_token(r, tok, out_lp)
         self.ratio.step()
         self._settle(batch, outs, newly_running=False)
+        self.step_timer.end(len(batch))
 
     def _ensure_decode_memory(self, outs: list[TokenOut]) -> None:
         """Make room for one new token per running request: evict, then retract."""
@@ -418,14 +421,19 @@ class ModelRpcServer:
             seq_lens = [p + 1 for p in positions]
         else:
             seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        t = self.step_inputs.build(input_ids, positions, out_cache_loc,
+                                   [r.req_pool_idx for r in batch], seq_lens)
+        if mode == ForwardMode.DECODE:  # the new token's slot: req_to_token[row, position]
+            self.req_pool.req_to_token[t.req_pool_indices, t.positions] = t.out_cache_loc.to(
+                torch.int32)
         fb = ForwardBatch(
             forward_mode=mode,
             batch_size=len(batch),
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            out_cache_loc=out_cache_loc.to(dev),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in batch], device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            input_ids=t.input_ids,
+            positions=t.positions,
+            out_cache_loc=t.out_cache_loc,
+            req_pool_indices=t.req_pool_indices,
+            seq_lens=t.seq_lens,
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=prefix_lens,
             extend_lens_cpu=extend_lens,
@@ -438,26 +446,31 @@ class ModelRpcServer:
         if any(r.logprob is not None for r in batch):
             lps = StepLogprobs(batch, mode, prefix_lens, extend_lens, dev)
             fb.prompt_logprobs = lps.prompt_request
+        self.step_timer.mark("prepare")
         # Sampling tensors first: their host-to-device copies then queue ahead of the forward
         # instead of waiting for it to finish.
-        info = build_sampling_info(
-            batch, self.config.vocab_size, dev, [self._stop_ids(r) for r in batch]
-        )
+        info = build_sampling_info(batch, self.config.vocab_size, dev, self._stop_ids)
+        self.step_timer.mark("sample_prep")
         logits = self.runner.forward(fb)
+        self.step_timer.mark("forward")
         assert logits.shape[-1] == self.config.vocab_size
         if any(r.fsm is not None for r in batch):
             rows = [(r.fsm, r.fsm_state) if r.fsm is not None else None for r in batch]
             info.forbidden = merge_forbidden(
                 info.forbidden, constrained_forbidden(rows, logits.shape[-1], dev))
+        self.step_timer.mark("sample_prep")
         ids = sample(logits, info, self.runner.sampler_generator)
         # Rank 0 samples for all: ranks hold bitwise-equal logits and generators, but one
         # small broadcast makes it impossible for their schedules to drift apart.
         ids = parallel_state.broadcast_from_first(ids)
         if lps is not None:
             # Logprobs of the raw logits (the model's distribution), moved with the ids.
-            return lps.collect(logits, ids)
-        none: list[TokenLogprobs | None] = [None] * len(batch)
-        return ids.tolist(), none, none  # the one device-to-host copy of the step
+            result = lps.collect(logits, ids)
+        else:
+            none: list[TokenLogprobs | None] = [None] * len(batch)
+            result = ids.tolist(), none, none  # the one device-to-host copy of the step
+        self.step_timer.mark("sample")
+        return result
 
     def _stop_ids(self, req: Req) -> set[int]:
         ids = set(req.sampling_params.stop_token_ids)
@@ -481,7 +494,7 @@ class ModelRpcServer:
                 return
             req.fsm_state = state
         if len(req.output_ids) >= p.min_new_tokens:
-            if tok in self._stop_ids(req):
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
                 req.finish_reason = {"type": "stop", "matched": tok}
                 return
             matched = self._match_stop_string(req)

@@ -1,0 +1,324 @@
+"""Online serving: TTFT, inter-token latency and throughput of a running HTTP server.
+
+    # against a server that is already up
+    python3 benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --request-rate 4 16 inf
+    # start the server itself (random weights of a shape), at fixed concurrency, and compare
+    # with srt.Engine on the same requests
+    python3 benchmarks/bench_serving.py --launch --shape smollm2-135m --max-concurrency 64 \\
+        --compare-engine --out serving.json
+
+Workload (`random.Random(--seed)`): `--num-prompts` prompts of `--input-len` random token ids
+below `--max-token-id` (or, with `--prompt-kind text`, those ids decoded by the model's
+tokenizer), each asking for `--output-len` tokens (temperature 0, ignore_eos); with
+`--range-ratio r < 1` each length is drawn uniformly from [r * len, len].
+
+Each configuration (every `--request-rate` x every `--max-concurrency`) sends the same requests:
+arrivals are a Poisson process at the rate (`inf`: all at once), and at most the concurrency
+are in flight (none: no limit). Every request streams (`--endpoint generate` or
+`completions`). The radix cache is flushed before each configuration so they all start cold.
+Reported: request and token throughput over the configuration's wall time, and mean / p50 / p90 /
+p99 of TTFT, inter-token latency (gap between chunks), TPOT ((e2e - ttft) / (tokens - 1)) and
+end-to-end latency, in ms.
+
+`--compare-engine` then runs the same configurations through `srt.Engine` in this process
+(one blocking `generate` per request on a thread pool of the concurrency, no streaming) and
+prints HTTP throughput over the Engine's; the target is >= 0.8 at concurrency 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import Shape, add_engine_args, engine_kwargs, hardware, print_table, \
+    start_engine, write_json, write_shape_dir
+from benchmarks.progress import Progress
+from benchmarks.serving_client import RequestResult, RequestSpec, send_request
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    request_rate: float  # requests per second; inf: all at once
+    max_concurrency: int | None  # None: no limit
+
+    @property
+    def label(self) -> str:
+        rate = "inf" if self.request_rate == float("inf") else f"{self.request_rate:g}"
+        return f"rate={rate} conc={self.max_concurrency or '-'}"
+
+
+def make_requests(a: Any, tokenizer_path: str | None) -> list[RequestSpec]:
+    rng = random.Random(a.seed)
+
+    def length(n: int) -> int:
+        return n if a.range_ratio >= 1.0 else rng.randint(max(1, int(n * a.range_ratio)), n)
+
+    tok = None
+    if a.prompt_kind == "text":
+        if tokenizer_path is None:
+            raise SystemExit("--prompt-kind text needs --tokenizer (or --launch)")
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    specs = []
+    for _ in range(a.num_prompts):
+        ids = [rng.randrange(2, a.max_token_id) for _ in range(length(a.input_len))]
+        prompt: list[int] | str = ids if tok is None else tok.decode(ids)
+        specs.append(RequestSpec(prompt, length(a.output_len)))
+    return specs
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Send offsets (s) of a Poisson process at `rate` (all zero for inf)."""
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def _pcts(xs: list[float], name: str) -> dict[str, float]:
+    """mean/p50/p90/p99 of seconds `xs`, in ms."""
+    if not xs:
+        return {f"{name}_{k}": float("nan") for k in ("mean", "p50", "p90", "p99")}
+    arr = np.asarray(xs) * 1e3
+    return {f"{name}_mean": float(arr.mean()), f"{name}_p50": float(np.percentile(arr, 50)),
+            f"{name}_p90": float(np.percentile(arr, 90)),
+            f"{name}_p99": float(np.percentile(arr, 99))}
+
+
+def summarize(results: list[RequestResult], wall: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    row: dict[str, Any] = {
+        "completed": len(ok), "failed": len(results) - len(ok), "wall_s": wall,
+        "req_per_s": len(ok) / wall, "in_tok_per_s": in_tokens / wall,
+        "out_tok_per_s": out_tokens / wall, "output_tokens": out_tokens,
+        "input_tokens": in_tokens, "cached_tokens": sum(r.cached_tokens for r in ok),
+    }
+    row.update(_pcts([r.ttft for r in ok], "ttft_ms"))
+    row.update(_pcts([x for r in ok for x in r.itl], "itl_ms"))
+    row.update(_pcts(tpot, "tpot_ms"))
+    row.update(_pcts([r.e2e for r in ok], "e2e_ms"))
+    errors = sorted({r.error for r in results if not r.ok})
+    if errors:
+        row["errors"] = errors[:5]
+    return row
+
+
+async def run_http(base_url: str, endpoint: str, specs: list[RequestSpec], cfg: RunConfig,
+                   seed: int, progress: bool, timeout: float) -> dict[str, Any]:
+    import aiohttp
+
+    sem = asyncio.Semaphore(cfg.max_concurrency or len(specs))
+    bar = Progress(len(specs), cfg.label, enabled=progress)
+    conn = aiohttp.TCPConnector(limit=0)  # the semaphore is the only limit
+    async with aiohttp.ClientSession(connector=conn,
+                                     timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        start = time.perf_counter()
+
+        async def one(spec: RequestSpec, at: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            async with sem:
+                res = await send_request(session, base_url, endpoint, spec)
+            bar.update()
+            return res
+
+        times = arrival_times(len(specs), cfg.request_rate, seed)
+        results = await asyncio.gather(*(one(s, t) for s, t in zip(specs, times)))
+        wall = time.perf_counter() - start
+    bar.close()
+    return summarize(list(results), wall)
+
+
+def run_engine(engine: Any, specs: list[RequestSpec], cfg: RunConfig, seed: int,
+               progress: bool) -> dict[str, Any]:
+    """The same requests through srt.Engine: one blocking generate per request, at most the
+    concurrency at once (a pool of that many threads), sent at the same arrival times."""
+    bar = Progress(len(specs), "engine " + cfg.label, enabled=progress)
+    lock = threading.Lock()
+
+    def one(spec: RequestSpec) -> RequestResult:
+        res = RequestResult(start=time.perf_counter())
+        key = {"input_ids": spec.prompt} if isinstance(spec.prompt, list) else {
+            "prompt": spec.prompt}
+        out = engine.generate(**key, sampling_params={
+            "max_new_tokens": spec.output_len, "temperature": 0, "ignore_eos": True})
+        res.e2e = time.perf_counter() - res.start
+        meta = out["meta_info"]
+        res.prompt_tokens, res.output_tokens = meta["prompt_tokens"], meta["completion_tokens"]
+        res.cached_tokens = meta["cached_tokens"]
+        res.ok = res.output_tokens > 0
+        with lock:
+            bar.update()
+        return res
+
+    times = arrival_times(len(specs), cfg.request_rate, seed)
+    with ThreadPoolExecutor(max_workers=cfg.max_concurrency or len(specs)) as pool:
+        start = time.perf_counter()
+        futs = []
+        for spec, at in zip(specs, times):
+            time.sleep(max(0.0, start + at - time.perf_counter()))
+            futs.append(pool.submit(one, spec))
+        results = [f.result() for f in futs]
+        wall = time.perf_counter() - start
+    bar.close()
+    row = summarize(results, wall)
+    return {k: v for k, v in row.items() if not k.startswith(("ttft", "itl", "tpot"))}
+
+
+def _post(url: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
+    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def warm_up(base_url: str, endpoint: str, spec: RequestSpec) -> None:
+    """One short request (kernel compilation, first allocations), then an empty cache."""
+    res = asyncio.run(_warm(base_url, endpoint, RequestSpec(spec.prompt, min(spec.output_len, 8))))
+    if not res.ok:
+        raise RuntimeError(f"warm-up request failed: {res.error}")
+
+
+async def _warm(base_url: str, endpoint: str, spec: RequestSpec) -> RequestResult:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        return await send_request(session, base_url, endpoint, spec)
+
+
+def flush(base_url: str, timeout: float = 30.0) -> None:
+    """POST /flush_cache, retrying while the server still finishes earlier requests (409)."""
+    import urllib.error
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _post(base_url + "/flush_cache")
+            return
+        except urllib.error.HTTPError as e:
+            if e.code != 409 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def parse_rates(values: list[str]) -> list[float]:
+    return [float("inf") if v == "inf" else float(v) for v in values]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    p.add_argument("--base-url", default="http://127.0.0.1:30000")
+    p.add_argument("--launch", action="store_true",
+                   help="start the server (random weights of --shape) on a free port, stop it")
+    p.add_argument("--launch-timeout", type=float, default=900.0)
+    p.add_argument("--endpoint", default="generate", choices=["generate", "completions"])
+    p.add_argument("--request-rate", nargs="+", default=None,
+                   help="requests/s (Poisson), 'inf' for all at once; several allowed")
+    p.add_argument("--max-concurrency", nargs="+", type=int, default=None,
+                   help="most requests in flight; several allowed")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--range-ratio", type=float, default=1.0)
+    p.add_argument("--prompt-kind", default="ids", choices=["ids", "text"])
+    p.add_argument("--tokenizer", default=None, help="for --prompt-kind text without --launch")
+    p.add_argument("--max-token-id", type=int, default=None,
+                   help="prompt ids are drawn below this (default: min(10000, the shape's vocab))")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3600.0, help="per request, seconds")
+    p.add_argument("--compare-engine", action="store_true",
+                   help="run the same configurations through srt.Engine and compare")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args()
+
+    if a.max_token_id is None:
+        a.max_token_id = min(10000, Shape.of(a.shape).vocab)
+    rates = parse_rates(a.request_rate or ["inf"])
+    concs: list[int | None] = list(a.max_concurrency or [None])
+    configs = [RunConfig(r, c) for r in rates for c in concs]
+    # `timeout` stops a benchmark with SIGTERM: unwind, so that a launched server is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    srv = None
+    base_url = a.base_url
+    model_dir = a.tokenizer
+    if a.launch:
+        from benchmarks.launch import launch_server
+        from srt.utils import free_port
+
+        model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix=f"srt-{a.shape}-"))
+        log_path = os.path.join(os.path.dirname(os.path.abspath(a.out)) if a.out
+                                else tempfile.gettempdir(), f"server_{a.shape}.log")
+        t = time.perf_counter()
+        srv = launch_server(model_dir, engine_kwargs(a), free_port(), log_path,
+                            a.launch_timeout)
+        print(f"server up in {time.perf_counter() - t:.1f} s at {srv.url} (log {log_path})",
+              file=sys.stderr)
+        base_url = srv.url
+    specs = make_requests(a, model_dir)
+    rows: list[dict[str, Any]] = []
+    try:
+        warm_up(base_url, a.endpoint, specs[0])
+        for cfg in configs:
+            flush(base_url)
+            row = asyncio.run(run_http(base_url, a.endpoint, specs, cfg, a.seed,
+                                       not a.no_progress, a.timeout))
+            rows.append({**asdict(cfg), "endpoint": a.endpoint, **row})
+        server_info = json.loads(urllib.request.urlopen(base_url + "/get_server_info",
+                                                        timeout=60).read())
+    finally:
+        if srv is not None:
+            srv.stop()
+    if a.compare_engine:
+        engine, _ = start_engine(a)
+        with engine:
+            engine.generate(input_ids=[2, 3, 4, 5], sampling_params={"max_new_tokens": 8})
+            for row, cfg in zip(rows, configs):
+                engine.flush_cache()
+                eng = run_engine(engine, specs, cfg, a.seed, not a.no_progress)
+                row["engine"] = eng
+                row["engine_out_tok_per_s"] = eng["out_tok_per_s"]
+                row["http_over_engine"] = row["out_tok_per_s"] / eng["out_tok_per_s"]
+    cols = ["request_rate", "max_concurrency", "completed", "failed", "wall_s", "req_per_s",
+            "out_tok_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
+            "tpot_ms_p50", "e2e_ms_p50", "e2e_ms_p99"]
+    if a.compare_engine:
+        cols += ["engine_out_tok_per_s", "http_over_engine"]
+    print_table(rows, cols)
+    for r in rows:
+        for e in r.get("errors", []):
+            print(f"error ({r['request_rate']}, {r['max_concurrency']}): {e}", file=sys.stderr)
+    write_json(a.out, {
+        "bench": "serving", "argv": sys.argv, "hardware": hardware(),
+        "shape": a.shape if a.launch else None, "endpoint": a.endpoint,
+        "num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len,
+        "range_ratio": a.range_ratio, "prompt_kind": a.prompt_kind,
+        "server": {k: server_info.get(k) for k in ("attention_backend", "device", "dtype",
+                                                   "tp_size", "max_total_num_tokens")},
+        "runs": rows,
+    })
+
+
+if __name__ == "__main__":
+    main()

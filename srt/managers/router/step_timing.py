@@ -1,0 +1,122 @@
+"""Where the wall time of DECODE steps goes on the host: cheap always-on counters.
+
+A decode step is cut into phases by `mark` calls in the model process:
+
+    gap          end of the previous decode step -> start of this one, when no fill ran in
+                 between: the router round trip and the rest of the round (every
+                 DECODE_STEPS_PER_ROUND steps; near zero otherwise)
+    prepare      step start -> the forward call: room in the pool, slots, req_to_token, the
+                 input tensors and their host-to-device copy
+    forward      the runner's forward call: on a GPU launching the kernels (or copying the
+                 inputs and launching a graph replay), on the CPU the computation itself
+    sample_prep  the sampling tensors and masks of the batch
+    sample       sampling and the device-to-host copy of the sampled ids (on a GPU this waits
+                 for the device to finish the step)
+    post         after that copy -> step end: appending tokens, stop checks, outputs
+
+On a GPU the device idles through `gap`, `prepare` and `post` whatever it does; `sample_prep`
+overlaps the forward on the device when the forward takes longer. Sums are kept per batch-size
+bucket (the next power of two) so a benchmark can difference two snapshots.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+PHASES = ("gap", "prepare", "forward", "sample_prep", "sample", "post")
+
+
+@dataclass
+class PhaseSums:
+    """Summed seconds per phase over `steps` decode steps of `requests` rows in all."""
+
+    steps: int = 0
+    requests: int = 0
+    gap: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample_prep: float = 0.0
+    sample: float = 0.0
+    post: float = 0.0
+
+
+def batch_bucket(bs: int) -> int:
+    """The smallest power of two >= bs."""
+    return 1 << max(0, bs - 1).bit_length()
+
+
+class StepTimer:
+    """Accumulates decode-step phases. `begin` opens a step, `mark(phase)` closes the phase that
+    ran since the last mark, `end(bs)` closes `post` and books the step; `mark` outside a step
+    does nothing, and `break_chain` (a fill ran) drops the next step's gap."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, PhaseSums] = {}
+        self._open = False
+        self._t = 0.0
+        self._last_end: float | None = None
+        self._cur: dict[str, float] = {}
+
+    def begin(self) -> None:
+        now = time.perf_counter()
+        self._cur = dict.fromkeys(PHASES, 0.0)
+        if self._last_end is not None:
+            self._cur["gap"] = now - self._last_end
+        self._open = True
+        self._t = now
+
+    def mark(self, phase: str) -> None:
+        if not self._open:
+            return
+        now = time.perf_counter()
+        self._cur[phase] += now - self._t
+        self._t = now
+
+    def end(self, bs: int) -> None:
+        if not self._open:
+            return
+        self.mark("post")
+        self._open = False
+        self._last_end = self._t
+        sums = self.buckets.setdefault(batch_bucket(bs), PhaseSums())
+        sums.steps += 1
+        sums.requests += bs
+        for k, v in self._cur.items():
+            setattr(sums, k, getattr(sums, k) + v)
+
+    def break_chain(self) -> None:
+        self._last_end = None
+
+    def snapshot(self) -> dict[str, Any]:
+        """{"by_batch": {bucket: sums}, "total": sums}, sums as PhaseSums fields (seconds)."""
+        total = PhaseSums()
+        for s in self.buckets.values():
+            for k, v in asdict(s).items():
+                setattr(total, k, getattr(total, k) + v)
+        return {"by_batch": {str(b): asdict(s) for b, s in sorted(self.buckets.items())},
+                "total": asdict(total)}
+
+
+def per_step_ms(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, Any]:
+    """Mean ms per decode step by phase between two `snapshot`s (before None: since start),
+    total and per bucket; `host` is gap + prepare + sample_prep + post."""
+
+    def diff(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any] | None:
+        d = {k: b[k] - (a[k] if a else 0) for k in b}
+        if d["steps"] <= 0:
+            return None
+        n = d["steps"]
+        out = {"steps": n, "mean_batch": d["requests"] / n}
+        out.update({f"{p}_ms": d[p] / n * 1e3 for p in PHASES})
+        out["host_ms"] = sum(out[f"{p}_ms"] for p in ("gap", "prepare", "sample_prep", "post"))
+        return out
+
+    res: dict[str, Any] = {"total": diff(before["total"] if before else None, after["total"]),
+                           "by_batch": {}}
+    for b, s in after["by_batch"].items():
+        d = diff((before or {}).get("by_batch", {}).get(b), s)
+        if d is not None:
+            res["by_batch"][b] = d
+    return res
