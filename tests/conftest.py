@@ -21,6 +21,22 @@ import requests
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _no_cuda() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+# Without a GPU, Triton kernels run in Triton's interpreter. The mode is fixed when Triton is
+# first imported, which other libraries (transformers' Llama) may do as a side effect, so it is
+# set here, before any test module is imported.
+if _no_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     try:
         import torch

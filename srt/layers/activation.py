@@ -6,12 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt.layers.fused_triton import silu_and_mul, use_fused
+from srt.layers.fused import kernels, use_fused
 
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_fused(x) and x.dim() == 2:
-            return silu_and_mul(x)
+            return kernels().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -18,19 +18,9 @@ in Triton's interpreter on the CPU for the tests.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-
-# SRT_DISABLE_FUSED_OPS=1 keeps the plain torch code on the GPU too (for comparisons).
-_DISABLED = os.environ.get("SRT_DISABLE_FUSED_OPS", "") not in ("", "0")
-
-
-def use_fused(x: torch.Tensor) -> bool:
-    """Whether the layers take these kernels for x: on CUDA tensors unless disabled."""
-    return x.is_cuda and not _DISABLED
 
 
 @triton.jit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from srt.layers.fused_triton import add_rmsnorm, use_fused
+from srt.layers.fused import kernels, use_fused
 
 
 class RMSNorm(nn.Module):
@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         if use_fused(x) and x.stride(-1) == 1:
-            return add_rmsnorm(x, self.weight, self.eps, residual)
+            return kernels().add_rmsnorm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

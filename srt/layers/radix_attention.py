@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from srt.layers.forward_batch import get_forward_batch
-from srt.layers.fused_triton import rope_and_store, use_fused
+from srt.layers.fused import kernels, use_fused
 from srt.layers.rotary import RotaryEmbedding
 
 
@@ -38,7 +38,7 @@ class RadixAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(self.layer_id)
         if rotary is not None and use_fused(q) and _fusable(q, k, v, self.head_dim):
-            q = rope_and_store(q, k, v, positions, rotary.cos_cache, rotary.sin_cache,
+            q = kernels().rope_and_store(q, k, v, positions, rotary.cos_cache, rotary.sin_cache,
                                k_buf, v_buf, fb.out_cache_loc)
         else:
             if rotary is not None:
