@@ -76,6 +76,9 @@ class ServerArgs:
                                             "compile before the request is refused (400).")
     constrained_max_states: int = _f(100000, "Most FSM states a regex / JSON schema may "
                                      "compile to before the request is refused (400).")
+    disable_regex_jump_forward: bool = _f(
+        False, "Sample every token of a regex / JSON-schema output, instead of appending at "
+        "once the text the pattern forces (e.g. a schema's keys).")
     log_level: str = _f("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_stats_interval: float = _f(5.0, "Seconds between stats lines while busy.")
 
