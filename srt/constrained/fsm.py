@@ -134,6 +134,13 @@ _worker_vocabulary: Any = None
 
 
 def _init_worker(vocabulary: Any) -> None:
+    import os
+
+    from srt.utils import become_child_process
+
+    # Die with the process that started it (a server stopped by SIGTERM never shuts the pool
+    # down; without this the worker outlives it).
+    become_child_process(os.getppid(), "fsm compile")
     global _worker_vocabulary
     _worker_vocabulary = vocabulary
 

@@ -42,8 +42,8 @@ _UTF8_MAX_CHAR = 4
 @dataclass(frozen=True)
 class JumpPlan:
     """Replace `output_ids[keep:]` by `new_ids`; `keep_state` is the FSM state after
-    `output_ids[:keep]`. `new_ids` is longer than the replaced tail and spells its bytes followed
-    by (part of) the forced string."""
+    `output_ids[:keep]`. `new_ids` spells the replaced tail's bytes followed by at least one byte
+    of the forced string (a prefix of it)."""
 
     keep: int
     keep_state: int
