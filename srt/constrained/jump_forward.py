@@ -78,12 +78,11 @@ class JumpForward:
             b = token_bytes[i]
             if len(b) == 1:
                 self.byte_token[b[0]] = i
-        size = max(token_bytes, default=-1) + 1
-        first = torch.full((size,), -1, dtype=torch.int16)
+        first = [-1] * (max(token_bytes, default=-1) + 1)
         for i, b in token_bytes.items():
             if b:
                 first[i] = b[0]
-        self.first_byte = first
+        self.first_byte = torch.tensor(first, dtype=torch.int16)  # -1: no bytes (special)
 
     @property
     def usable(self) -> bool:
