@@ -84,6 +84,9 @@ class ServerArgs:
                                         "KiB (decode steps) through a one-shot all-reduce over "
                                         "PyTorch symmetric memory instead of NCCL (on two H200s "
                                         "it measured no faster: 18.2 vs 17.7 us per call).")
+    disable_regex_jump_forward: bool = _f(
+        False, "Sample every token of a regex / JSON-schema output, instead of appending at "
+        "once the text the pattern forces (e.g. a schema's keys).")
     log_level: str = _f("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_stats_interval: float = _f(5.0, "Seconds between stats lines while busy.")
     log_requests: bool = _f(False, "Log each request's body and output text (escaped). Off: "

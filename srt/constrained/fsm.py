@@ -93,6 +93,8 @@ class TokenFSM:
         # the compile worker does it and passes the count along.
         self.num_states = len(index.get_transitions()) if num_states is None else num_states
         self._allowed: dict[int, "torch.Tensor"] = {}
+        # Jump-forward's forced bytes per state (filled by srt.constrained.jump_forward).
+        self.forced: dict[int, bytes] = {}
         self._lock = threading.Lock()
 
     def allowed_tokens(self, state: int) -> "torch.Tensor":
@@ -132,6 +134,13 @@ _worker_vocabulary: Any = None
 
 
 def _init_worker(vocabulary: Any) -> None:
+    import os
+
+    from srt.utils import become_child_process
+
+    # Die with the process that started it (a server stopped by SIGTERM never shuts the pool
+    # down; without this the worker outlives it).
+    become_child_process(os.getppid(), "fsm compile")
     global _worker_vocabulary
     _worker_vocabulary = vocabulary
 
@@ -153,9 +162,10 @@ class FSMCache:
     """
 
     def __init__(self, tokenizer: Any, eos_token_id: int, capacity: int) -> None:
-        from srt.constrained.vocab import build_vocabulary
+        from srt.constrained.vocab import build_vocabulary, token_bytes_map
 
-        self.vocabulary = build_vocabulary(tokenizer, eos_token_id)
+        self.token_bytes = token_bytes_map(tokenizer)
+        self.vocabulary = build_vocabulary(tokenizer, eos_token_id, self.token_bytes)
         self.eos_token_id = eos_token_id
         self.capacity = max(1, capacity)
         self._entries: OrderedDict[str, Future] = OrderedDict()

@@ -61,12 +61,16 @@ def token_bytes_map(tokenizer: Any) -> dict[int, bytes]:
     return out
 
 
-def build_vocabulary(tokenizer: Any, eos_token_id: int) -> Any:
-    """An outlines_core.Vocabulary over the tokenizer (EOS excluded from the byte map)."""
+def build_vocabulary(tokenizer: Any, eos_token_id: int,
+                     token_bytes: dict[int, bytes] | None = None) -> Any:
+    """An outlines_core.Vocabulary over the tokenizer (EOS excluded from the byte map);
+    `token_bytes` is `token_bytes_map(tokenizer)` when the caller already has it."""
     from outlines_core import Vocabulary
 
+    if token_bytes is None:
+        token_bytes = token_bytes_map(tokenizer)
     grouped: dict[bytes, list[int]] = {}
-    for i, b in token_bytes_map(tokenizer).items():
+    for i, b in token_bytes.items():
         if i == eos_token_id or not b:
             continue
         grouped.setdefault(b, []).append(i)

@@ -56,6 +56,7 @@ class DetokenizerManager:
             cached_tokens=o.cached_tokens,
             completion_tokens=o.completion_tokens,
             finish_reason=o.finish_reason,
+            forward_passes=o.forward_passes,
             input_logprobs=self._with_texts(o.input_logprobs, o.return_text_in_logprobs),
             output_logprobs=self._with_texts(o.output_logprobs, o.return_text_in_logprobs),
         )

@@ -167,6 +167,7 @@ class TokenOut:
     # None while running; {"type": "length", "length": n} | {"type": "stop", "matched": str | int}
     # | {"type": "abort", "message": str} when finished.
     finish_reason: dict[str, Any] | None = None
+    forward_passes: int = 0  # model forwards the request took part in so far
     # Decoding options the detokenizer needs (sent with every TokenOut; they are small).
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -223,6 +224,7 @@ class StrOut:
     cached_tokens: int
     completion_tokens: int
     finish_reason: dict[str, Any] | None = None
+    forward_passes: int = 0
     # As in TokenOut (new entries only), with texts when the request asked for them.
     input_logprobs: TokenLogprobs | None = None
     output_logprobs: TokenLogprobs | None = None

@@ -625,6 +625,7 @@ class TokenizerManager:
             "completion_tokens": out.completion_tokens,
             "cached_tokens": out.cached_tokens,
             "finish_reason": out.finish_reason,
+            "forward_passes": out.forward_passes,
         }
         if state.logprobs is not None:
             meta.update(state.logprobs.meta())

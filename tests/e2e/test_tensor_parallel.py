@@ -74,7 +74,18 @@ def test_smollm2_tp3_equals_tp1(server: Any, smollm2_tokenizer: Any) -> None:
             for top_g, top_r in zip(g["meta_info"]["output_top_logprobs"],
                                     r["meta_info"]["output_top_logprobs"]):
                 assert [t[0] for t in top_g] == pytest.approx([t[0] for t in top_r], abs=1e-4)
+        # Jump-forward: every rank plans the same jumps (the same ids as one rank).
+        jump = {"text": ["Is the sky blue?", "A person as JSON:"], "sampling_params": [
+            {"temperature": 0, "max_new_tokens": 16, "regex": r"The answer is (yes|no)\."},
+            {"temperature": 0, "max_new_tokens": 48, "json_schema": {
+                "type": "object", "properties": {"name_of_the_person": {"enum": ["Ann", "Bo"]}},
+                "required": ["name_of_the_person"]}}]}
+        got_jump, ref_jump = srv.generate(jump), server.generate(jump)
+        assert [r["output_ids"] for r in got_jump] == [r["output_ids"] for r in ref_jump]
+        for r in got_jump:
+            assert r["meta_info"]["forward_passes"] < r["meta_info"]["completion_tokens"]
         info = srv.server_info()
+        assert info["jump_forwards"] >= 2
         assert info["tp_size"] == 3 and info["kv_pool_per_rank"]["kv_heads"] == 1
         srv.assert_kv_invariant()
     finally:

@@ -20,6 +20,9 @@ class Req:
     columns hold its slots. The first `len(prefix_indices)` of those belong to the radix tree and
     are locked through `last_node`; the rest are the request's own until it is cached or freed.
 
+    Jump-forward may replace the unsent tail of `output_ids` (re-tokenized with the text the
+    pattern forces) while the request is out of the running set, holding no row.
+
     Logprobs (when `logprob` is set): the prompt's are computed at the first fill only and wait in
     `input_logprobs` until sent; `output_logprobs` has one entry per output id (kept across
     retraction, like the ids), sent from `sent_len` on.
@@ -52,6 +55,7 @@ class Req:
     # The prompt's image (srt.managers.router.image_pads.ReqImage): origin_input_ids hold its
     # pad ids; kept until the request finishes (a retracted request may need it again).
     image: Any = None
+    forward_passes: int = 0  # model forwards (fills and decode steps) this request took part in
 
     @property
     def fsm_pending(self) -> bool:

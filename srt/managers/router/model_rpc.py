@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from srt.constrained.fsm import FSMCache, constraint_regex
+from srt.constrained.jump_forward import JumpForward
 from srt.constrained.mask import constrained_forbidden, merge_forbidden
 from srt.layers import parallel_state
 from srt.layers.forward_batch import ForwardBatch, ForwardMode, ImageSpanInput
@@ -93,6 +94,7 @@ class ModelRpcServer:
         self.rng = random.Random(args.random_seed)
         self.arrivals = 0
         self.fsm_cache: FSMCache | None = None  # built at the first constrained request
+        self.jump: JumpForward | None = None  # with the FSM cache, unless disabled
         self.eos_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
@@ -104,6 +106,8 @@ class ModelRpcServer:
         self.retracted_total = 0
         self.step_timer = StepTimer()
         self.step_inputs = StepInputBuilder(self.runner.device)
+        self.jump_forwards_total = 0
+        self.jump_forward_tokens_total = 0  # output ids added by jumps (net of re-tokenizing)
 
     # ------------------------------------------------------------------ one round
 
@@ -123,7 +127,8 @@ class ModelRpcServer:
             for _ in range(steps):
                 if not self.running:
                     break
-                self._forward_decode(outs)
+                if self._forward_decode(outs):
+                    break  # a request jumped forward: extend it in the next round
         elif self.waiting and all(r.fsm_pending for r in self.waiting):
             time.sleep(0.001)  # only FSM compiles pending: do not spin the router at full speed
         self._maybe_log()
@@ -157,6 +162,10 @@ class ModelRpcServer:
             eos = self.tokenizer.eos_token_id
             self.fsm_cache = FSMCache(self.tokenizer, int(eos) if eos is not None else -1,
                                       self.args.constrained_cache_size)
+            # Without the radix cache every jump would recompute the whole sequence.
+            if not (self.args.disable_regex_jump_forward or self.args.disable_radix_cache):
+                jump = JumpForward(self.tokenizer, self.fsm_cache.token_bytes)
+                self.jump = jump if jump.usable else None
         try:
             pattern = constraint_regex(params.regex, params.json_schema)
         except ValueError as e:  # the HTTP process checked it; a failed future keeps ranks equal
@@ -192,6 +201,10 @@ class ModelRpcServer:
             # Replay tokens already generated (none unless the request comes back retracted).
             for tok in r.output_ids:
                 r.fsm_state = r.fsm.next_state(r.fsm_state, tok)
+            # A pattern that starts with fixed text: its first fill computes that text too.
+            self._jump_forward(r)
+            if r.finished:  # the pattern was fixed text, or the jump hit a stop or the length
+                failed.append(r)
         for r in failed:
             self.waiting.remove(r)
             outs.append(self._token_out(r))
@@ -236,6 +249,8 @@ class ModelRpcServer:
             "num_waiting_reqs": len(self.waiting),
             "cache_hit_rate": self.cached_tokens_total / max(1, self.prompt_tokens_total),
             "retracted_reqs": self.retracted_total,
+            "jump_forwards": self.jump_forwards_total,
+            "jump_forward_tokens": self.jump_forward_tokens_total,
             "max_running_requests": info.max_running_requests,
             "device": info.device,
             "dtype": info.dtype,
@@ -358,7 +373,9 @@ class ModelRpcServer:
 
     # ------------------------------------------------------------------ decode
 
-    def _forward_decode(self, outs: list[TokenOut]) -> None:
+    def _forward_decode(self, outs: list[TokenOut]) -> bool:
+        """One DECODE step of the running batch; True if a request jumped forward (it now waits
+        for its extend)."""
         self.step_timer.begin()
         self._ensure_decode_memory(outs)
         batch = self.running
@@ -371,8 +388,9 @@ class ModelRpcServer:
         for r, tok, out_lp in zip(batch, next_ids, out_lps):
             self._append_token(r, tok, out_lp)
         self.ratio.step()
-        self._settle(batch, outs, newly_running=False)
+        jumped = self._settle(batch, outs, newly_running=False)
         self.step_timer.end(len(batch))
+        return jumped
 
     def _ensure_decode_memory(self, outs: list[TokenOut]) -> None:
         """Make room for one new token per running request: evict, then retract."""
@@ -417,6 +435,8 @@ class ModelRpcServer:
         """One forward and sampling: (next ids, prompt logprobs, logprobs of the next ids) per
         request of the batch (None where not asked)."""
         dev = self.runner.device
+        for r in batch:
+            r.forward_passes += 1
         if mode == ForwardMode.DECODE:
             seq_lens = [p + 1 for p in positions]
         else:
@@ -521,21 +541,60 @@ class ModelRpcServer:
                 return s
         return None
 
-    def _settle(self, batch: list[Req], outs: list[TokenOut], newly_running: bool) -> None:
-        """Finish what finished, emit outputs, keep the rest running."""
+    def _settle(self, batch: list[Req], outs: list[TokenOut], newly_running: bool) -> bool:
+        """Jump forward where a pattern forces text, finish what finished, emit outputs, keep
+        the rest running. True if some request jumped (it went back to the waiting queue)."""
         keep: list[Req] = []
+        jumped_any = False
         for r in batch:
+            jumped = not r.finished and self._jump_forward(r)
             if r.finished:
                 self._cache_finished(r)
                 outs.append(self._token_out(r))
                 continue
-            keep.append(r)
+            if jumped:
+                self.waiting.append(r)
+                jumped_any = True
+            else:
+                keep.append(r)
             if r.stream and len(r.output_ids) - r.sent_len >= self.args.stream_interval:
                 outs.append(self._token_out(r))
         if newly_running:
             self.running.extend(keep)
         else:
             self.running = keep
+        return jumped_any
+
+    def _jump_forward(self, req: Req) -> bool:
+        """Append the text the request's pattern forces from its state, if that gains anything.
+
+        The request's KV goes into the radix tree first (its row and lock are released), then the
+        unsent tail of its output ids is replaced by the re-tokenized tail plus the forced text;
+        each new id passes the same checks as a sampled one (FSM, stop ids and strings,
+        max_new_tokens, a completed pattern). Unless that finished it, the caller puts it back in
+        the waiting queue: its next fill finds the kept prefix in the tree, computes only the new
+        ids and samples the next token. Requests that want logprobs never jump (forced tokens
+        are not sampled, so they would have none). Every rank plans the same jump: the plan
+        depends only on the request's ids, the pattern and the tokenizer.
+        """
+        if self.jump is None or req.fsm is None or req.logprob is not None:
+            return False
+        plan = self.jump.plan(req.fsm, req.fsm_state, req.output_ids, req.sent_len,
+                              req.sampling_params.max_new_tokens)
+        if plan is None:
+            return False
+        self._cache_finished(req)
+        before = len(req.output_ids)
+        del req.output_ids[plan.keep :]
+        req.fsm_state = plan.keep_state
+        self.generated_since_log -= before - plan.keep
+        for tok in plan.new_ids:
+            self._append_token(req, tok)
+            if req.finished:
+                break
+        self.jump_forwards_total += 1
+        self.jump_forward_tokens_total += len(req.output_ids) - before
+        return True
 
     def _token_out(self, r: Req) -> TokenOut:
         new = r.output_ids[r.sent_len :]
@@ -550,6 +609,7 @@ class ModelRpcServer:
             cached_tokens=max(0, r.cached_tokens),
             completion_tokens=len(r.output_ids),
             finish_reason=r.finish_reason,
+            forward_passes=r.forward_passes,
             skip_special_tokens=p.skip_special_tokens,
             spaces_between_special_tokens=p.spaces_between_special_tokens,
             stop=list(p.stop),
