@@ -13,6 +13,7 @@ among its kernels).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -35,6 +36,8 @@ def main() -> None:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--profile-fill", action="store_true",
+                   help="also print the GPU kernels of the fill rounds (torch.profiler)")
     a = p.parse_args()
     model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix="srt-prof-"))
     if a.tp_size == 1:
@@ -66,10 +69,23 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
                                            for _ in range(a.input_len)],
                                  {"temperature": 0.0, "max_new_tokens": 3 * a.steps + 100,
                                   "ignore_eos": True}) for i in range(a.batch)]
-    server.step(StepInput(reqs=reqs))
-    while server.waiting:
-        server.step(StepInput())
+    prof_fill = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA])
+                 if a.profile_fill else contextlib.nullcontext())
+    t_fill = time.perf_counter()
+    with prof_fill:
+        server.step(StepInput(reqs=reqs))
+        while server.waiting:
+            server.step(StepInput())
+    t_fill = time.perf_counter() - t_fill
     assert len(server.running) == a.batch
+    if rank == 0:
+        fills = server.step_timer.fills
+        print(f"fill: {fills.rounds} rounds, {fills.tokens} tokens in {t_fill:.3f} s "
+              f"({fills.tokens / t_fill:.0f} tokens/s; the first round includes warm-up)")
+        if a.profile_fill:
+            print(prof_fill.key_averages().table(sort_by="self_device_time_total",
+                                                 row_limit=a.top))
     outs: list = []
 
     def sync() -> None:

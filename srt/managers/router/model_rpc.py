@@ -329,7 +329,7 @@ class ModelRpcServer:
         return slots
 
     def _forward_fill(self, batch: list[Req], outs: list[TokenOut]) -> None:
-        self.step_timer.break_chain()
+        self.step_timer.fill_begin()
         ext_lens = [r.extend_input_len for r in batch]
         slots = self._alloc_slots(sum(ext_lens))
         table = self.req_pool.req_to_token
@@ -369,6 +369,7 @@ class ModelRpcServer:
                 r.finish_reason = {"type": "length", "length": 0}
             else:
                 self._append_token(r, tok, out_lp)
+        self.step_timer.fill_end(len(batch), len(input_ids))
         self._settle(batch, outs, newly_running=True)
 
     # ------------------------------------------------------------------ decode
