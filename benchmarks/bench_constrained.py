@@ -162,18 +162,21 @@ def main() -> None:
                 row["regex_ms_per_tok"] = regex * 1e3
                 row["regex_overhead"] = regex / free
             rows.append(row)
+            print(f"measured {row}", flush=True)  # partial results survive a time limit
         jump_rows: list[dict[str, Any]] = []
         if constrained:
             for bs in a.batch_sizes:
                 rate, passes, chars = json_chars_per_s(engine, a, bs)
                 jump_rows.append({"batch": bs, "jf_chars_per_s": rate, "jf_passes": passes,
                                   "chars": chars})
+                print(f"measured {jump_rows[-1]}", flush=True)
     if constrained:
         with _engine(a, path, extra, disable_regex_jump_forward=True) as engine:
             for r in jump_rows:
                 rate, passes, _ = json_chars_per_s(engine, a, r["batch"])
                 r.update(off_chars_per_s=rate, off_passes=passes,
                          speedup=r["jf_chars_per_s"] / rate)
+                print(f"measured {r}", flush=True)
     print(f"model {a.shape or 'SmolLM2-135M-Instruct'} on {info['device']} ({info['dtype']}, "
           f"{info['attention_backend']}, cuda graph {info['cuda_graph']})")
     print_table(rows, list(rows[0]))

@@ -72,11 +72,15 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
     prof_fill = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA])
                  if a.profile_fill else contextlib.nullcontext())
+    fill_cprof = cProfile.Profile()
     t_fill = time.perf_counter()
     with prof_fill:
+        if a.profile_fill:
+            fill_cprof.enable()
         server.step(StepInput(reqs=reqs))
         while server.waiting:
             server.step(StepInput())
+        fill_cprof.disable()
     t_fill = time.perf_counter() - t_fill
     assert len(server.running) == a.batch
     if rank == 0:
@@ -84,6 +88,9 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
         print(f"fill: {fills.rounds} rounds, {fills.tokens} tokens in {t_fill:.3f} s "
               f"({fills.tokens / t_fill:.0f} tokens/s; the first round includes warm-up)")
         if a.profile_fill:
+            fs = io.StringIO()
+            pstats.Stats(fill_cprof, stream=fs).sort_stats("cumtime").print_stats(a.top)
+            print(fs.getvalue())
             print(prof_fill.key_averages().table(sort_by="self_device_time_total",
                                                  row_limit=a.top))
     outs: list = []
