@@ -98,16 +98,50 @@ class ModelRpcServer:
         self.eos_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
-        # statistics
+        self.step_inputs = StepInputBuilder(self.runner.device)
+        self._reset_stats()
+        if not args.skip_warmup:
+            self._warm_up()
+
+    def _reset_stats(self) -> None:
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.generated_since_log = 0
         self.last_log = time.monotonic()
         self.retracted_total = 0
         self.step_timer = StepTimer()
-        self.step_inputs = StepInputBuilder(self.runner.device)
         self.jump_forwards_total = 0
         self.jump_forward_tokens_total = 0  # output ids added by jumps (net of re-tokenizing)
+
+    def _warm_up(self) -> None:
+        """Serve two requests before reporting ready, so that the kernels of the fill paths
+        (PREFILL, then EXTEND after a cached prefix), of sampling and of eager decode steps are
+        compiled and loaded now rather than inside the first users' requests (the first fill
+        otherwise pays seconds of Triton compilation). Every rank runs the same requests; the
+        cache, the random generator and the statistics are reset afterwards."""
+        # Small enough for any pool and context that can serve anything at all.
+        n = min(96, self.pool.size // 4, self.config.context_len - 8)
+        if n < 8:
+            return
+        t = time.perf_counter()
+        rng_state = self.rng.getstate()
+        vocab = self.config.vocab_size
+        prompt = [(7 * i + 3) % vocab for i in range(n)]
+        params = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 3, "ignore_eos": True}
+        half = n // 2
+        for rid, ids in (("warmup-prefill", prompt), ("warmup-extend", prompt[:half] * 2)):
+            self.step(StepInput(reqs=[TokenizedGenerateReq(rid, ids, dict(params))]))
+            for _ in range(100):
+                if not (self.waiting or self.running):
+                    break
+                self.step(StepInput())
+            else:
+                raise RuntimeError("warm-up request did not finish in 100 rounds")
+        self.tree.reset()
+        self.rng.setstate(rng_state)
+        self.arrivals = 0
+        self._reset_stats()
+        logger.info("warm-up requests served in %.2f s", time.perf_counter() - t)
 
     # ------------------------------------------------------------------ one round
 
