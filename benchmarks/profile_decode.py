@@ -36,6 +36,9 @@ def main() -> None:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--w1", action="store_true",
+                   help="fill the first --batch prompts of workload W1 (lengths 100-1024), "
+                   "sampled at temperature 0.6, instead of --input-len random tokens, greedy")
     p.add_argument("--profile-fill", action="store_true",
                    help="also print the GPU kernels of the fill rounds (torch.profiler)")
     a = p.parse_args()
@@ -65,10 +68,17 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
                       cuda_graph_max_bs=max(a.batch, 1), random_seed=0, tp_size=a.tp_size)
     server = ModelRpcServer(args, rank, port)
     rng = random.Random(0)
-    reqs = [TokenizedGenerateReq(f"p{i}", [rng.randrange(2, shape.vocab)
-                                           for _ in range(a.input_len)],
-                                 {"temperature": 0.0, "max_new_tokens": 3 * a.steps + 100,
-                                  "ignore_eos": True}) for i in range(a.batch)]
+    if a.w1:
+        from benchmarks.bench_offline import w1_workload
+
+        prompts = [[t % shape.vocab for t in x] for x in w1_workload(256)[0][: a.batch]]
+    else:
+        prompts = [[rng.randrange(2, shape.vocab) for _ in range(a.input_len)]
+                   for _ in range(a.batch)]
+    reqs = [TokenizedGenerateReq(f"p{i}", x,
+                                 {"temperature": 0.6 if a.w1 else 0.0,
+                                  "max_new_tokens": 3 * a.steps + 100, "ignore_eos": True})
+            for i, x in enumerate(prompts)]
     prof_fill = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA])
                  if a.profile_fill else contextlib.nullcontext())
