@@ -114,29 +114,37 @@ class ModelRpcServer:
         self.jump_forward_tokens_total = 0  # output ids added by jumps (net of re-tokenizing)
 
     def _warm_up(self) -> None:
-        """Serve two requests before reporting ready, so that the kernels of the fill paths
-        (PREFILL, then EXTEND after a cached prefix), of sampling and of eager decode steps are
-        compiled and loaded now rather than inside the first users' requests (the first fill
-        otherwise pays seconds of Triton compilation). Every rank runs the same requests; the
-        cache, the random generator and the statistics are reset afterwards."""
+        """Serve a few requests before reporting ready, so that the kernels of the fill paths
+        (a PREFILL batch of three prompts, then an EXTEND batch with and without a cached
+        prefix; odd and even token counts), of sampling and of decode steps are compiled and
+        loaded now rather than inside the first users' requests (a fill otherwise pays seconds
+        of Triton compilation). Every rank runs the same requests; the cache, the random
+        generator and the statistics are reset afterwards."""
         # Small enough for any pool and context that can serve anything at all.
-        n = min(96, self.pool.size // 4, self.config.context_len - 8)
+        n = min(96, self.pool.size // 8, self.config.context_len - 8)
         if n < 8:
             return
         t = time.perf_counter()
         rng_state = self.rng.getstate()
         vocab = self.config.vocab_size
-        prompt = [(7 * i + 3) % vocab for i in range(n)]
+
+        def ids(mult: int, length: int) -> list[int]:
+            return [(mult * i + mult) % vocab for i in range(length)]
+
         params = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 3, "ignore_eos": True}
-        half = n // 2
-        for rid, ids in (("warmup-prefill", prompt), ("warmup-extend", prompt[:half] * 2)):
-            self.step(StepInput(reqs=[TokenizedGenerateReq(rid, ids, dict(params))]))
+        first = ids(7, n)
+        rounds = [[first, ids(11, n // 2 + 1), ids(13, n // 3)],          # PREFILL, 3 prompts
+                  [first[: n // 2] + ids(17, n // 4 + 1), ids(19, n // 5)]]  # EXTEND, mixed
+        for k, prompts in enumerate(rounds):
+            reqs = [TokenizedGenerateReq(f"warmup-{k}-{i}", x, dict(params))
+                    for i, x in enumerate(prompts)]
+            self.step(StepInput(reqs=reqs))
             for _ in range(100):
                 if not (self.waiting or self.running):
                     break
                 self.step(StepInput())
             else:
-                raise RuntimeError("warm-up request did not finish in 100 rounds")
+                raise RuntimeError("warm-up requests did not finish in 100 rounds")
         self.tree.reset()
         self.rng.setstate(rng_state)
         self.arrivals = 0
