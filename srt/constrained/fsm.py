@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import itertools
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -81,6 +82,9 @@ def constraint_regex(regex: str | None, json_schema: str | None) -> str:
     return build_regex_from_schema(json_schema)
 
 
+_SERIALS = itertools.count()
+
+
 class TokenFSM:
     """Allowed tokens per state of one compiled pattern. Read-only after construction, so one
     instance is shared by every request with the same pattern."""
@@ -96,6 +100,7 @@ class TokenFSM:
         # Jump-forward's forced bytes per state (filled by srt.constrained.jump_forward).
         self.forced: dict[int, bytes] = {}
         self._lock = threading.Lock()
+        self.serial = next(_SERIALS)  # unique per instance (device mask rows are keyed by it)
 
     def allowed_tokens(self, state: int) -> "torch.Tensor":
         """int64 ids allowed from `state` (EOS only where the state is final); cached per state."""

@@ -182,3 +182,37 @@ def test_unenforced_schema_keywords_are_refused() -> None:
     check_schema_keywords({"type": "object", "properties": {"minimum": {"type": "string"}},
                            "default": {"maximum": 1}, "enum": [{"minimum": 3}]})
     assert constraint_regex(None, json.dumps({"type": "integer"}))
+
+
+def test_forbidden_rows_cache(tok: Any, vocab: Any) -> None:
+    """Rows are built once per (FSM, state), keyed by the FSM's serial (two FSMs with the same
+    state numbers do not share rows), and evicted in LRU order past the budget."""
+    from srt.constrained.mask import ForbiddenRows
+
+    digits = compile_fsm(r"[0-9]+", vocab, tok.eos_token_id)
+    letters = compile_fsm(r"[a-z]+", vocab, tok.eos_token_id)
+    assert digits.serial != letters.serial
+    v = 49152
+    rows = ForbiddenRows(v, torch.device("cpu"), budget_bytes=16 * v)
+    assert rows.max_rows == 16
+    a = rows.row(digits, digits.initial_state)
+    assert rows.row(digits, digits.initial_state) is a  # cached
+    b = rows.row(letters, letters.initial_state)
+    assert not torch.equal(a, b)
+    assert set(torch.nonzero(~a).flatten().tolist()) == \
+        {t for t in digits.allowed_tokens(digits.initial_state).tolist() if t < v}
+    batch = rows.batch([(digits, digits.initial_state), None, (letters, letters.initial_state)])
+    assert torch.equal(batch[0], a) and not batch[1].any() and torch.equal(batch[2], b)
+    # Fill past the budget with 30 distinct states: the oldest rows go first.
+    counted = compile_fsm(r"[0-9]{30}", vocab, tok.eos_token_id)
+    state, seen = counted.initial_state, []
+    for t in tok.encode("0" * 30):
+        state = counted.next_state(state, t)
+        seen.append(state)
+    assert len(set(seen)) >= 20
+    for s in seen:
+        rows.row(counted, s)
+    assert len(rows._rows) == 16
+    assert (counted.serial, seen[-1]) in rows._rows
+    assert (counted.serial, seen[0]) not in rows._rows
+    assert (digits.serial, digits.initial_state) not in rows._rows

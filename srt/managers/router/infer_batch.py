@@ -118,10 +118,13 @@ def build_sampling_info(
         if len(r.output_ids) < r.sampling_params.min_new_tokens and (ids := stop_ids(r))
     ]
     if forbid:
-        mask = torch.zeros((len(reqs), vocab_size), dtype=torch.bool)
-        for i, ids in forbid:
-            mask[i, [t for t in ids if t < vocab_size]] = True
-        info.forbidden = mask.to(device)
+        # A few ids per row: their (row, id) pairs go to the device, not a [bs, vocab] mask.
+        pairs = [(i, t) for i, ids in forbid for t in ids if t < vocab_size]
+        mask = torch.zeros((len(reqs), vocab_size), dtype=torch.bool, device=device)
+        if pairs:
+            idx = torch.tensor(pairs, dtype=torch.int64).to(device, non_blocking=True)
+            mask[idx[:, 0], idx[:, 1]] = True
+        info.forbidden = mask
     return info
 
 

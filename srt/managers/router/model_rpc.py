@@ -18,7 +18,7 @@ import torch
 
 from srt.constrained.fsm import FSMCache, constraint_regex
 from srt.constrained.jump_forward import JumpForward
-from srt.constrained.mask import constrained_forbidden, merge_forbidden
+from srt.constrained.mask import ForbiddenRows, merge_forbidden
 from srt.layers import parallel_state
 from srt.layers.forward_batch import ForwardBatch, ForwardMode, ImageSpanInput
 from srt.layers.sampler import sample
@@ -95,6 +95,7 @@ class ModelRpcServer:
         self.arrivals = 0
         self.fsm_cache: FSMCache | None = None  # built at the first constrained request
         self.jump: JumpForward | None = None  # with the FSM cache, unless disabled
+        self.mask_rows: ForbiddenRows | None = None  # device mask rows per (FSM, state)
         self.eos_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
@@ -519,8 +520,9 @@ class ModelRpcServer:
         assert logits.shape[-1] == self.config.vocab_size
         if any(r.fsm is not None for r in batch):
             rows = [(r.fsm, r.fsm_state) if r.fsm is not None else None for r in batch]
-            info.forbidden = merge_forbidden(
-                info.forbidden, constrained_forbidden(rows, logits.shape[-1], dev))
+            if self.mask_rows is None:
+                self.mask_rows = ForbiddenRows(logits.shape[-1], dev)
+            info.forbidden = merge_forbidden(info.forbidden, self.mask_rows.batch(rows))
         self.step_timer.mark("sample_prep")
         ids = sample(logits, info, self.runner.sampler_generator)
         # Rank 0 samples for all: ranks hold bitwise-equal logits and generators, but one
