@@ -404,6 +404,10 @@ def test_backend_matches_torch_backend(mode: ForwardMode, prefix_lens: list[int]
     got = run_backend(case, triton_be)
     if mode == ForwardMode.DECODE:
         assert case.fb.attn_metadata.num_kv_splits >= 1
+    else:  # every pointer 16-byte aligned whatever the batch size (one compiled variant)
+        meta = case.fb.attn_metadata
+        for t in (meta.prefix_lens, meta.extend_lens, meta.extend_start_loc):
+            assert t.data_ptr() % 16 == 0 and t.shape == (len(prefix_lens),)
     want_torch = run_backend(case, TorchAttnBackend())
     start, refs = 0, []
     for i, (p, e) in enumerate(zip(prefix_lens, extend_lens)):

@@ -77,13 +77,17 @@ class TritonAttnBackend(AttentionBackend):
             prefix = list(fb.prefix_lens_cpu)
             extend = list(fb.extend_lens_cpu)
             starts = [0, *accumulate(extend)][:-1]
-            # one host->device copy for the three per-request vectors
-            packed = torch.tensor([prefix, extend, starts], dtype=torch.int32)
+            # One host->device copy for the three per-request vectors, each row padded to 32
+            # entries (128 bytes): Triton specializes kernels on the 16-byte alignment of every
+            # pointer, so unpadded rows compiled new variants for each batch size mod 4.
+            pad = [0] * (-len(prefix) % 32)
+            packed = torch.tensor([prefix + pad, extend + pad, starts + pad], dtype=torch.int32)
             packed = packed.to(fb.req_pool_indices.device, non_blocking=True)
+            bs = len(prefix)
             fb.attn_metadata = TritonExtendMetadata(
-                prefix_lens=packed[0],
-                extend_lens=packed[1],
-                extend_start_loc=packed[2],
+                prefix_lens=packed[0, :bs],
+                extend_lens=packed[1, :bs],
+                extend_start_loc=packed[2, :bs],
                 max_len_extend=max(extend, default=0),
             )
         else:
