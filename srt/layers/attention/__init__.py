@@ -66,7 +66,12 @@ def _importable(module: str) -> bool:
 
 
 def resolve_backend_name(name: str, device_type: str) -> str:
-    """`auto` -> flashinfer on a GPU when installed, else triton; torch on the CPU.
+    """`auto` -> triton on a GPU (flashinfer where Triton is missing); torch on the CPU.
+
+    Triton is the default on a GPU because decode dominates serving and its decode kernels
+    measured faster on an H200: 7 vs 18 us per layer at batch 1 (5.25 vs 6.25 ms per token on
+    the Llama-3-8B shape) and 83% vs 58% of copy bandwidth at batch 64 x 2048; FlashInfer's
+    extend is faster (Triton takes 1.5x its time), so `flashinfer` stays a choice.
 
     An explicit choice that cannot work here is a clear error at start-up. triton on the CPU runs
     in Triton's interpreter (correct but slow: for tests).
@@ -74,9 +79,9 @@ def resolve_backend_name(name: str, device_type: str) -> str:
     if name == "auto":
         if device_type != "cuda":
             return "torch"
-        if _importable("flashinfer"):
-            return "flashinfer"
-        return "triton" if _importable("triton") else "torch"
+        if _importable("triton"):
+            return "triton"
+        return "flashinfer" if _importable("flashinfer") else "torch"
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; available: {', '.join(available_backends())}"
