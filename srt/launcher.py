@@ -20,7 +20,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import describe_exit
+from srt.utils import ChildLink, describe_exit
+from srt.watchdog import Heartbeat, dump_stacks
 
 logger = logging.getLogger("srt.launcher")
 
@@ -32,24 +33,37 @@ class Child:
     name: str
     process: mp.process.BaseProcess
     ready: Connection
+    heartbeat: Heartbeat
 
 
 class Supervisor:
-    """Owns the child processes: start, wait for ready, watch, stop."""
+    """Owns the child processes: start, wait for ready, watch, stop.
 
-    def __init__(self) -> None:
+    Watching covers deaths and stalls: a supervised loop (each child's, plus any loop of this
+    process registered with `add_loop`) whose heartbeat is older than `watchdog_timeout` has
+    stalled (srt/watchdog.py).
+    """
+
+    def __init__(self, watchdog_timeout: float = 300.0) -> None:
+        self.watchdog_timeout = watchdog_timeout
         self.children: list[Child] = []
+        self.loops: list[tuple[str, Heartbeat]] = []  # loops of this process
         self.stopping = False
         self.all_ready = False
 
     def start(self, name: str, target: Callable[..., None], *args: Any) -> None:
         ctx = mp.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=target, args=(*args, os.getpid(), writer), name=name,
-                           daemon=False)
+        heartbeat = Heartbeat()
+        link = ChildLink(os.getpid(), writer, heartbeat)
+        proc = ctx.Process(target=target, args=(*args, link), name=name, daemon=False)
         proc.start()
         writer.close()
-        self.children.append(Child(name, proc, reader))
+        self.children.append(Child(name, proc, reader, heartbeat))
+
+    def add_loop(self, name: str, heartbeat: Heartbeat) -> None:
+        """Watch a loop of this process (the HTTP event loop) like a child."""
+        self.loops.append((name, heartbeat))
 
     def wait_ready(self) -> dict[str, dict[str, Any]]:
         """Block until every child reported ready; raise with the child's traceback otherwise."""
@@ -80,13 +94,43 @@ class Supervisor:
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if not c.process.is_alive()), None)
 
-    def watch(self, on_death: Callable[[Child], None], interval: float = 0.5) -> None:
+    def stalled(self) -> list[str]:
+        """Names of the supervised loops without a heartbeat for watchdog_timeout, oldest
+        first."""
+        beats = [(c.name, c.heartbeat) for c in self.children] + self.loops
+        old = [(hb.age(), name) for name, hb in beats if hb.age() > self.watchdog_timeout]
+        return [name for _, name in sorted(old, reverse=True)]
+
+    def failure(self) -> str | None:
+        """Why the runtime cannot serve (a process died or stalled), or None."""
+        # All that are dead: a TP rank that loses its peer dies too, maybe before the poll.
+        dead = [f"the {c.name} died ({describe_exit(c.process.exitcode)})"
+                for c in self.children if not c.process.is_alive()]
+        if dead:
+            return "; ".join(dead)
+        stalled = self.stalled()
+        if stalled:
+            return (f"the {', '.join(stalled)} made no progress for "
+                    f"{self.watchdog_timeout:g} s (--watchdog-timeout)")
+        return None
+
+    def healthy(self) -> bool:
+        """Liveness: every process started, alive and beating. No I/O; microseconds."""
+        return self.all_ready and not self.stopping and self.failure() is None
+
+    def watch(self, on_failure: Callable[[str], None], interval: float = 0.25) -> None:
+        """Call on_failure(reason) once, from a thread, when a process dies or stalls; after
+        a stall, first dump the stacks of every process."""
         def run() -> None:
             while not self.stopping:
-                for child in self.children:
-                    if not child.process.is_alive() and not self.stopping:
-                        on_death(child)
-                        return
+                reason = self.failure()
+                if reason is not None and not self.stopping:
+                    logger.error("%s", reason)
+                    if self.dead_child() is None:  # a stall: show where everyone is
+                        dump_stacks("launcher process",
+                                    [(c.name, c.process.pid) for c in self.children])
+                    on_failure(reason)
+                    return
                 time.sleep(interval)
 
         threading.Thread(target=run, daemon=True, name="supervisor").start()
@@ -143,7 +187,7 @@ def start_runtime(args: ServerArgs) -> Runtime:
 
     logger.info("starting srt: model %s, tp_size %d", args.model_path, args.tp_size)
     ports = PortArgs.create(args.tp_size)
-    supervisor = Supervisor()
+    supervisor = Supervisor(args.watchdog_timeout)
     try:
         for rank in range(args.tp_size):
             supervisor.start(f"model process (TP rank {rank})", run_model_process, args, ports,
