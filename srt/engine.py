@@ -37,7 +37,7 @@ class Engine:
         if not logging.getLogger().handlers:  # leave an application's logging alone
             configure_logging(args.log_level, "engine")
         self.args = prepare_args(args)
-        self._rt: Runtime | None = start_runtime(self.args)
+        self._rt: Runtime | None = start_runtime(self.args, "engine process")
         from srt.managers.tokenizer_manager import TokenizerManager
 
         self._loop = asyncio.new_event_loop()
@@ -71,7 +71,8 @@ class Engine:
             try:
                 return fut.result(timeout=0.5)
             except TimeoutError:
-                reason = self._rt.supervisor.failure() if self._rt else None
+                failure = self._rt.supervisor.failure() if self._rt else None
+                reason = failure.reason if failure is not None else None
                 if reason is None and getattr(self, "tm", None) is not None:
                     reason = self.tm.failed
                 if reason is not None:  # a process died or stalled (--watchdog-timeout)

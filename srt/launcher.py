@@ -28,6 +28,12 @@ logger = logging.getLogger("srt.launcher")
 MODEL_RANK0 = "model process (TP rank 0)"
 
 
+@dataclass(frozen=True)
+class Failure:
+    reason: str  # names the processes and what happened to them
+    stalled: bool  # no progress (the watchdog), rather than dead
+
+
 @dataclass
 class Child:
     name: str
@@ -44,7 +50,8 @@ class Supervisor:
     stalled (srt/watchdog.py).
     """
 
-    def __init__(self, watchdog_timeout: float = 300.0) -> None:
+    def __init__(self, watchdog_timeout: float = 300.0, name: str = "launcher process") -> None:
+        self.name = name  # of this process, in stack dumps
         self.watchdog_timeout = watchdog_timeout
         self.children: list[Child] = []
         self.loops: list[tuple[str, Heartbeat]] = []  # loops of this process
@@ -101,39 +108,39 @@ class Supervisor:
         old = [(hb.age(), name) for name, hb in beats if hb.age() > self.watchdog_timeout]
         return [name for _, name in sorted(old, reverse=True)]
 
-    def failure(self) -> str | None:
-        """Why the runtime cannot serve (a process died or stalled), or None."""
+    def failure(self) -> Failure | None:
+        """Why the runtime cannot serve (processes died or stalled), or None."""
         # All that are dead: a TP rank that loses its peer dies too, maybe before the poll.
         dead = [f"the {c.name} died ({describe_exit(c.process.exitcode)})"
                 for c in self.children if not c.process.is_alive()]
         if dead:
-            return "; ".join(dead)
+            return Failure("; ".join(dead), stalled=False)
         stalled = self.stalled()
         if stalled:
-            return (f"the {', '.join(stalled)} made no progress for "
-                    f"{self.watchdog_timeout:g} s (--watchdog-timeout)")
+            return Failure(f"the {', '.join(stalled)} made no progress for "
+                           f"{self.watchdog_timeout:g} s (--watchdog-timeout)", stalled=True)
         return None
 
     def healthy(self) -> bool:
         """Liveness: every process started, alive and beating. No I/O; microseconds."""
         return self.all_ready and not self.stopping and self.failure() is None
 
-    def watch(self, on_failure: Callable[[str], None], interval: float = 0.25) -> None:
-        """Call on_failure(reason) once, from a thread, when a process dies or stalls; after
-        a stall, first dump the stacks of every process."""
+    def watch(self, on_failure: Callable[[Failure], None], interval: float = 0.25) -> None:
+        """Call on_failure once, from a thread, when a process dies or stalls."""
         def run() -> None:
             while not self.stopping:
-                reason = self.failure()
-                if reason is not None and not self.stopping:
-                    logger.error("%s", reason)
-                    if self.dead_child() is None:  # a stall: show where everyone is
-                        dump_stacks("launcher process",
-                                    [(c.name, c.process.pid) for c in self.children])
-                    on_failure(reason)
+                failure = self.failure()
+                if failure is not None and not self.stopping:
+                    logger.error("%s", failure.reason)
+                    on_failure(failure)
                     return
                 time.sleep(interval)
 
         threading.Thread(target=run, daemon=True, name="supervisor").start()
+
+    def dump_stacks(self) -> None:
+        """Every process's stacks into the log (this one's, then each child's)."""
+        dump_stacks(self.name, [(c.name, c.process.pid) for c in self.children])
 
     def stop(self, timeout: float = 5.0) -> None:
         self.stopping = True
@@ -177,9 +184,10 @@ def prepare_args(args: ServerArgs) -> ServerArgs:
     return args
 
 
-def start_runtime(args: ServerArgs) -> Runtime:
+def start_runtime(args: ServerArgs, name: str = "launcher process") -> Runtime:
     """Spawn one model process per TP rank, the router and the detokenizer; return once all are
-    ready. On failure everything started is stopped and RuntimeError says which child and why."""
+    ready. On failure everything started is stopped and RuntimeError says which child and why.
+    `name`: what this process is called in logs (the HTTP process, an Engine's process)."""
     from srt.managers.detokenizer_manager import run_detokenizer_process
     from srt.managers.router.manager import run_router_process
     from srt.managers.router.model_rpc import run_model_process
@@ -187,7 +195,7 @@ def start_runtime(args: ServerArgs) -> Runtime:
 
     logger.info("starting srt: model %s, tp_size %d", args.model_path, args.tp_size)
     ports = PortArgs.create(args.tp_size)
-    supervisor = Supervisor(args.watchdog_timeout)
+    supervisor = Supervisor(args.watchdog_timeout, name)
     try:
         for rank in range(args.tp_size):
             supervisor.start(f"model process (TP rank {rank})", run_model_process, args, ports,

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
-from srt.launcher import Supervisor, prepare_args, start_runtime
+from srt.launcher import Failure, Supervisor, prepare_args, start_runtime
 from srt.server_args import ServerArgs
 from srt.utils import configure_logging
 
@@ -83,7 +83,8 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor, lifecycle: Any
         # answers while draining or failed).
         if supervisor.healthy():
             return JSONResponse({"status": "ok"})
-        return _error(503, supervisor.failure() or "the server is not running", None,
+        failure = supervisor.failure()
+        return _error(503, failure.reason if failure else "the server is not running", None,
                       "unhealthy")
 
     @app.get("/get_model_info")
@@ -203,7 +204,7 @@ def launch_server(args: ServerArgs) -> int:
         logger.error("%s", e)
         return 2
     try:
-        rt = start_runtime(args)
+        rt = start_runtime(args, "HTTP process")
     except (RuntimeError, KeyboardInterrupt) as e:
         logger.error("%s", e)
         return 1
@@ -221,14 +222,17 @@ def launch_server(args: ServerArgs) -> int:
     lifecycle = Lifecycle()
     loop_box: list[asyncio.AbstractEventLoop] = []  # the event loop, once it runs
 
-    def on_failure(reason: str) -> None:
+    def on_failure(failure: Failure) -> None:
         """From the supervisor thread (or a thread of the event loop's): fail the requests in
-        flight, let their answers go out, stop everything, exit 1."""
+        flight, dump every stack if something stalled, stop everything, exit 1."""
+        reason = failure.reason
         if not lifecycle.fail(reason):
             return
         logger.error("shutting the server down: %s", reason)
         if loop_box:
             loop_box[0].call_soon_threadsafe(tm.fail_all, reason)
+        if failure.stalled:  # where is everyone? (before anything is stopped)
+            supervisor.dump_stacks()
         deadline = time.monotonic() + FAILURE_FLUSH_S
         while tm.states and time.monotonic() < deadline:  # len() of a dict: thread-safe
             time.sleep(0.05)
@@ -238,7 +242,7 @@ def launch_server(args: ServerArgs) -> int:
         os._exit(1)
 
     tm.on_loop_failure = lambda reason: threading.Thread(
-        target=on_failure, args=(reason,), daemon=True).start()
+        target=on_failure, args=(Failure(reason, stalled=False),), daemon=True).start()
     supervisor.watch(on_failure)
     app = create_app(args, tm, supervisor, lifecycle, on_loop=loop_box.append)
 

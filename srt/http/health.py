@@ -27,7 +27,8 @@ class ReadinessProbe:
     async def check(self) -> tuple[bool, str]:
         """(ready, reason)."""
         if not self.supervisor.healthy():
-            return False, self.supervisor.failure() or "a process of the server is not running"
+            failure = self.supervisor.failure()
+            return False, failure.reason if failure else "a process of the server is not running"
         if self._probe is None or self._probe.done():
             self._probe = asyncio.ensure_future(self._run())
         # shield: a caller that goes away must not cancel the probe the others wait on

@@ -276,7 +276,7 @@ def test_stalled_model_is_caught_by_the_watchdog(tiny_llama: str) -> None:
             assert "model process (TP rank 0)" in a.error and "made no progress" in a.error, a
         log = srv.log()
         # every process's stacks, the stalled one showing where it is stuck
-        dumps = log[log.index("stacks of the launcher process"):]
+        dumps = log[log.index("stacks of the HTTP process"):]
         for name in ("router process", "detokenizer process", "model process (TP rank 0)"):
             assert f"stacks of the {name}" in dumps, name
         model_dump = dumps[dumps.index("stacks of the model process (TP rank 0)"):]
