@@ -117,8 +117,9 @@ class Supervisor:
             return Failure("; ".join(dead), stalled=False)
         stalled = self.stalled()
         if stalled:
-            return Failure(f"the {', '.join(stalled)} made no progress for "
-                           f"{self.watchdog_timeout:g} s (--watchdog-timeout)", stalled=True)
+            names = " and ".join(f"the {name}" for name in stalled)
+            return Failure(f"{names} made no progress for {self.watchdog_timeout:g} s "
+                           "(--watchdog-timeout)", stalled=True)
         return None
 
     def healthy(self) -> bool:
