@@ -58,14 +58,16 @@ def _has_outlines() -> bool:
     return True
 
 
-def _model_dir(shape: str | None) -> tuple[str, dict[str, Any]]:
+def _model_dir(shape: str | None, tokenizer_dir: str | None) -> tuple[str, dict[str, Any]]:
     """(model path, extra engine arguments): the default model, or a shape with random weights
-    and the default model's tokenizer."""
+    and the default model's tokenizer (or the one in `tokenizer_dir`)."""
     from srt.default_model import ensure_default_model
 
-    default = ensure_default_model()
     if shape is None:
-        return default, {}
+        if tokenizer_dir:
+            raise SystemExit("--tokenizer-dir needs --shape (random weights)")
+        return ensure_default_model(), {}
+    default = tokenizer_dir or ensure_default_model()
     from transformers import AutoTokenizer, LlamaConfig
 
     tok = AutoTokenizer.from_pretrained(default)
@@ -132,6 +134,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default=None, choices=sorted(SHAPES),
                    help="random weights of this shape (default: SmolLM2's real weights)")
+    p.add_argument("--tokenizer-dir", default=None,
+                   help="with --shape: take SmolLM2's tokenizer files from this directory "
+                   "instead of preparing the default model (a machine without its weights)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: the server's)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     p.add_argument("--output-len", type=int, default=128)
@@ -144,7 +149,7 @@ def main() -> None:
     constrained = _has_outlines()
     if not constrained:
         print("outlines-core is not installed: only unconstrained decoding is measured")
-    path, extra = _model_dir(a.shape)
+    path, extra = _model_dir(a.shape, a.tokenizer_dir)
     rows: list[dict[str, Any]] = []
     with _engine(a, path, extra) as engine:
         info = engine.model_info
@@ -157,18 +162,21 @@ def main() -> None:
                 row["regex_ms_per_tok"] = regex * 1e3
                 row["regex_overhead"] = regex / free
             rows.append(row)
+            print(f"measured {row}", flush=True)  # partial results survive a time limit
         jump_rows: list[dict[str, Any]] = []
         if constrained:
             for bs in a.batch_sizes:
                 rate, passes, chars = json_chars_per_s(engine, a, bs)
                 jump_rows.append({"batch": bs, "jf_chars_per_s": rate, "jf_passes": passes,
                                   "chars": chars})
+                print(f"measured {jump_rows[-1]}", flush=True)
     if constrained:
         with _engine(a, path, extra, disable_regex_jump_forward=True) as engine:
             for r in jump_rows:
                 rate, passes, _ = json_chars_per_s(engine, a, r["batch"])
                 r.update(off_chars_per_s=rate, off_passes=passes,
                          speedup=r["jf_chars_per_s"] / rate)
+                print(f"measured {r}", flush=True)
     print(f"model {a.shape or 'SmolLM2-135M-Instruct'} on {info['device']} ({info['dtype']}, "
           f"{info['attention_backend']}, cuda graph {info['cuda_graph']})")
     print_table(rows, list(rows[0]))

@@ -31,7 +31,7 @@ import torch
 from benchmarks.common import Shape, add_engine_args, copy_bandwidth, decode_step_times, \
     hardware, matmul_rate, print_table, start_engine, write_json
 from benchmarks.hf_baseline import run_hf_generate_batch
-from srt.managers.router.step_timing import per_step_ms
+from srt.managers.router.step_timing import PHASES, per_step_ms
 
 W1_OUTPUT_TOKENS = 133_966
 
@@ -70,6 +70,18 @@ def print_step_times(steps: dict) -> None:
         rows.append({"batch": "all", **steps["total"]})
     print("decode steps, ms per step (host = gap + prepare + sample_prep + post):")
     print_table(rows, cols)
+
+
+def wall_split(wall: float, steps: dict) -> dict:
+    """The run's wall time cut into fill rounds, decode steps and the rest (round trips between
+    processes, queueing, results)."""
+    t = steps["total"]
+    decode = t["steps"] * sum(t[f"{p}_ms"] for p in PHASES) / 1e3 if t else 0.0
+    f = steps["fills"]
+    return {"wall_s": wall, "fill_s": f["seconds"], "fill_rounds": f["rounds"],
+            "fill_tokens": f["tokens"], "fill_tok_per_s": f["tokens_per_s"],
+            "decode_s": decode, "decode_steps": t["steps"] if t else 0,
+            "other_s": wall - f["seconds"] - decode}
 
 
 def srt_fixed_len(engine: object, prompts: list[list[int]], out_len: int) -> dict:
@@ -135,6 +147,9 @@ def main() -> None:
     }
     print_table([row], list(row))
     print_step_times(steps)
+    split = wall_split(wall, steps)
+    print("where the wall time went:")
+    print_table([split], list(split))
     compare = None
     if srt_hf is not None:
         hf = run_hf_generate_batch(a.shape, hf_prompts, a.hf_output_len, a.dtype)
@@ -146,7 +161,7 @@ def main() -> None:
         print(f"srt / transformers generate_batch: {compare['srt_over_hf']:.2f}x")
     write_json(a.out, {"bench": "offline_w1", "argv": sys.argv, "hardware": hardware(),
                        "copy_bandwidth_Bps": bw, "matmul_flops": flops, **row,
-                       "decode_step_ms": steps, "compare_hf": compare})
+                       "decode_step_ms": steps, "wall_split": split, "compare_hf": compare})
 
 
 if __name__ == "__main__":

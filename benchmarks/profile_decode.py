@@ -13,6 +13,7 @@ among its kernels).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -35,6 +36,11 @@ def main() -> None:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--w1", action="store_true",
+                   help="fill the first --batch prompts of workload W1 (lengths 100-1024), "
+                   "sampled at temperature 0.6, instead of --input-len random tokens, greedy")
+    p.add_argument("--profile-fill", action="store_true",
+                   help="also print the GPU kernels of the fill rounds (torch.profiler)")
     a = p.parse_args()
     model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix="srt-prof-"))
     if a.tp_size == 1:
@@ -62,14 +68,41 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
                       cuda_graph_max_bs=max(a.batch, 1), random_seed=0, tp_size=a.tp_size)
     server = ModelRpcServer(args, rank, port)
     rng = random.Random(0)
-    reqs = [TokenizedGenerateReq(f"p{i}", [rng.randrange(2, shape.vocab)
-                                           for _ in range(a.input_len)],
-                                 {"temperature": 0.0, "max_new_tokens": 3 * a.steps + 100,
-                                  "ignore_eos": True}) for i in range(a.batch)]
-    server.step(StepInput(reqs=reqs))
-    while server.waiting:
-        server.step(StepInput())
+    if a.w1:
+        from benchmarks.bench_offline import w1_workload
+
+        prompts = [[t % shape.vocab for t in x] for x in w1_workload(256)[0][: a.batch]]
+    else:
+        prompts = [[rng.randrange(2, shape.vocab) for _ in range(a.input_len)]
+                   for _ in range(a.batch)]
+    reqs = [TokenizedGenerateReq(f"p{i}", x,
+                                 {"temperature": 0.6 if a.w1 else 0.0,
+                                  "max_new_tokens": 3 * a.steps + 100, "ignore_eos": True})
+            for i, x in enumerate(prompts)]
+    prof_fill = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA])
+                 if a.profile_fill else contextlib.nullcontext())
+    fill_cprof = cProfile.Profile()
+    t_fill = time.perf_counter()
+    with prof_fill:
+        if a.profile_fill:
+            fill_cprof.enable()
+        server.step(StepInput(reqs=reqs))
+        while server.waiting:
+            server.step(StepInput())
+        fill_cprof.disable()
+    t_fill = time.perf_counter() - t_fill
     assert len(server.running) == a.batch
+    if rank == 0:
+        fills = server.step_timer.fills
+        print(f"fill: {fills.rounds} rounds, {fills.tokens} tokens in {t_fill:.3f} s "
+              f"({fills.tokens / t_fill:.0f} tokens/s; the first round includes warm-up)")
+        if a.profile_fill:
+            fs = io.StringIO()
+            pstats.Stats(fill_cprof, stream=fs).sort_stats("cumtime").print_stats(a.top)
+            print(fs.getvalue())
+            print(prof_fill.key_averages().table(sort_by="self_device_time_total",
+                                                 row_limit=a.top))
     outs: list = []
 
     def sync() -> None:

@@ -87,6 +87,9 @@ class ServerArgs:
     disable_regex_jump_forward: bool = _f(
         False, "Sample every token of a regex / JSON-schema output, instead of appending at "
         "once the text the pattern forces (e.g. a schema's keys).")
+    skip_warmup: bool = _f(False, "Report ready without first serving two small warm-up "
+                           "requests (they compile the fill kernels at start-up instead of in "
+                           "the first users' requests).")
     log_level: str = _f("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_stats_interval: float = _f(5.0, "Seconds between stats lines while busy.")
     log_requests: bool = _f(False, "Log each request's body and output text (escaped). Off: "

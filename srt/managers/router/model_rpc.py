@@ -98,16 +98,58 @@ class ModelRpcServer:
         self.eos_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
-        # statistics
+        self.step_inputs = StepInputBuilder(self.runner.device)
+        self._reset_stats()
+        if not args.skip_warmup:
+            self._warm_up()
+
+    def _reset_stats(self) -> None:
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.generated_since_log = 0
         self.last_log = time.monotonic()
         self.retracted_total = 0
         self.step_timer = StepTimer()
-        self.step_inputs = StepInputBuilder(self.runner.device)
         self.jump_forwards_total = 0
         self.jump_forward_tokens_total = 0  # output ids added by jumps (net of re-tokenizing)
+
+    def _warm_up(self) -> None:
+        """Serve a few requests before reporting ready, so that the kernels of the fill paths
+        (a PREFILL batch of three prompts, then an EXTEND batch with and without a cached
+        prefix; odd and even token counts), of sampling and of decode steps are compiled and
+        loaded now rather than inside the first users' requests (a fill otherwise pays seconds
+        of Triton compilation). Every rank runs the same requests; the cache, the random
+        generator and the statistics are reset afterwards."""
+        # Small enough for any pool and context that can serve anything at all.
+        n = min(96, self.pool.size // 8, self.config.context_len - 8)
+        if n < 8:
+            return
+        t = time.perf_counter()
+        rng_state = self.rng.getstate()
+        vocab = self.config.vocab_size
+
+        def ids(mult: int, length: int) -> list[int]:
+            return [(mult * i + mult) % vocab for i in range(length)]
+
+        params = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 3, "ignore_eos": True}
+        first = ids(7, n)
+        rounds = [[first, ids(11, n // 2 + 1), ids(13, n // 3)],          # PREFILL, 3 prompts
+                  [first[: n // 2] + ids(17, n // 4 + 1), ids(19, n // 5)]]  # EXTEND, mixed
+        for k, prompts in enumerate(rounds):
+            reqs = [TokenizedGenerateReq(f"warmup-{k}-{i}", x, dict(params))
+                    for i, x in enumerate(prompts)]
+            self.step(StepInput(reqs=reqs))
+            for _ in range(100):
+                if not (self.waiting or self.running):
+                    break
+                self.step(StepInput())
+            else:
+                raise RuntimeError("warm-up requests did not finish in 100 rounds")
+        self.tree.reset()
+        self.rng.setstate(rng_state)
+        self.arrivals = 0
+        self._reset_stats()
+        logger.info("warm-up requests served in %.2f s", time.perf_counter() - t)
 
     # ------------------------------------------------------------------ one round
 
@@ -329,7 +371,7 @@ class ModelRpcServer:
         return slots
 
     def _forward_fill(self, batch: list[Req], outs: list[TokenOut]) -> None:
-        self.step_timer.break_chain()
+        self.step_timer.fill_begin()
         ext_lens = [r.extend_input_len for r in batch]
         slots = self._alloc_slots(sum(ext_lens))
         table = self.req_pool.req_to_token
@@ -369,6 +411,7 @@ class ModelRpcServer:
                 r.finish_reason = {"type": "length", "length": 0}
             else:
                 self._append_token(r, tok, out_lp)
+        self.step_timer.fill_end(len(batch), len(input_ids))
         self._settle(batch, outs, newly_running=True)
 
     # ------------------------------------------------------------------ decode

@@ -17,6 +17,9 @@ A decode step is cut into phases by `mark` calls in the model process:
 On a GPU the device idles through `gap`, `prepare` and `post` whatever it does; `sample_prep`
 overlaps the forward on the device when the forward takes longer. Sums are kept per batch-size
 bucket (the next power of two) so a benchmark can difference two snapshots.
+
+Fill rounds (EXTEND / PREFILL) are summed whole: count, requests, new tokens and wall seconds
+from the round's start to its sampled ids on the host (so they include the device time).
 """
 
 from __future__ import annotations
@@ -47,10 +50,21 @@ def batch_bucket(bs: int) -> int:
     return 1 << max(0, bs - 1).bit_length()
 
 
+@dataclass
+class FillSums:
+    """Summed fill rounds: `rounds` of `requests` requests and `tokens` computed tokens in all,
+    `seconds` of wall time."""
+
+    rounds: int = 0
+    requests: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
 class StepTimer:
     """Accumulates decode-step phases. `begin` opens a step, `mark(phase)` closes the phase that
     ran since the last mark, `end(bs)` closes `post` and books the step; `mark` outside a step
-    does nothing, and `break_chain` (a fill ran) drops the next step's gap."""
+    does nothing, and a fill round (`fill_begin`) drops the next step's gap."""
 
     def __init__(self) -> None:
         self.buckets: dict[int, PhaseSums] = {}
@@ -58,6 +72,8 @@ class StepTimer:
         self._t = 0.0
         self._last_end: float | None = None
         self._cur: dict[str, float] = {}
+        self.fills = FillSums()
+        self._fill_t = 0.0
 
     def begin(self) -> None:
         now = time.perf_counter()
@@ -86,17 +102,26 @@ class StepTimer:
         for k, v in self._cur.items():
             setattr(sums, k, getattr(sums, k) + v)
 
-    def break_chain(self) -> None:
+    def fill_begin(self) -> None:
+        """A fill round starts (it also breaks the decode chain)."""
         self._last_end = None
+        self._fill_t = time.perf_counter()
+
+    def fill_end(self, requests: int, tokens: int) -> None:
+        self.fills.rounds += 1
+        self.fills.requests += requests
+        self.fills.tokens += tokens
+        self.fills.seconds += time.perf_counter() - self._fill_t
 
     def snapshot(self) -> dict[str, Any]:
-        """{"by_batch": {bucket: sums}, "total": sums}, sums as PhaseSums fields (seconds)."""
+        """{"by_batch": {bucket: sums}, "total": sums, "fills": FillSums fields}, sums as
+        PhaseSums fields (seconds)."""
         total = PhaseSums()
         for s in self.buckets.values():
             for k, v in asdict(s).items():
                 setattr(total, k, getattr(total, k) + v)
         return {"by_batch": {str(b): asdict(s) for b, s in sorted(self.buckets.items())},
-                "total": asdict(total)}
+                "total": asdict(total), "fills": asdict(self.fills)}
 
 
 def per_step_ms(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, Any]:
@@ -114,9 +139,18 @@ def per_step_ms(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[st
         return out
 
     res: dict[str, Any] = {"total": diff(before["total"] if before else None, after["total"]),
-                           "by_batch": {}}
+                           "by_batch": {}, "fills": fill_diff(before, after)}
     for b, s in after["by_batch"].items():
         d = diff((before or {}).get("by_batch", {}).get(b), s)
         if d is not None:
             res["by_batch"][b] = d
     return res
+
+
+def fill_diff(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, Any]:
+    """Fill rounds between two `snapshot`s: rounds, requests, tokens, seconds, tokens_per_s."""
+    b = (before or {}).get("fills") or asdict(FillSums())
+    a = after.get("fills") or asdict(FillSums())
+    d = {k: a[k] - b[k] for k in a}
+    d["tokens_per_s"] = d["tokens"] / d["seconds"] if d["seconds"] > 0 else None
+    return d
