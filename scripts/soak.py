@@ -191,7 +191,11 @@ class Client:
                     f"/abort_request: {a.text[:200]}")
         if "e" in result:
             raise result["e"]
-        return self._final(result["r"])
+        outcome, status, detail = self._final(result["r"])
+        if outcome == "ok":  # did the abort land, or had the request finished already?
+            reason = result["r"].json()["meta_info"]["finish_reason"]["type"]
+            detail = "aborted" if reason == "abort" else "finished first"
+        return outcome, status, detail
 
     def bad(self) -> tuple[str, int | None, str]:
         path, body = self.rng.choice(BAD_BODIES)
@@ -393,6 +397,7 @@ class Soak:
             "server_errors": outcomes["server_error"], "lost": outcomes["lost"],
             "unexpected": outcomes["unexpected"],
             "by_kind": {k: dict(v) for k, v in counts.items()},
+            "aborts_landed": sum(r.detail == "aborted" for r in self.records),
             "latency_s": {k: percentiles(v) for k, v in latency.items()},
             "problems": problems[:50], "kv": kv, "rss": rss,
         }

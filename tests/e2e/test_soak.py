@@ -33,6 +33,7 @@ def test_soak_two_minutes(server: Any, tmp_path: Any) -> None:
         assert kind in kinds, (kind, kinds)
     assert kinds["bad"].get("expected_error", 0) == sum(kinds["bad"].values())
     assert kinds["disconnect"].get("disconnected", 0) >= 1
+    assert report["aborts_landed"] >= 1, kinds["abort"]
     assert report["kv"]["ok"], report["kv"]
     rss = report["rss"]
     assert len(rss["samples"]) >= 10, rss
