@@ -95,12 +95,6 @@ class Supervisor:
         self.all_ready = True
         return infos
 
-    def alive(self) -> bool:
-        return all(c.process.is_alive() for c in self.children)
-
-    def dead_child(self) -> Child | None:
-        return next((c for c in self.children if not c.process.is_alive()), None)
-
     def stalled(self) -> list[str]:
         """Names of the supervised loops without a heartbeat for watchdog_timeout, oldest
         first."""
