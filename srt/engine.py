@@ -20,7 +20,7 @@ from typing import Any
 
 from srt.launcher import Runtime, prepare_args, start_runtime
 from srt.server_args import ServerArgs
-from srt.utils import configure_logging, describe_exit
+from srt.utils import configure_logging
 
 logger = logging.getLogger("srt.engine")
 
@@ -37,7 +37,7 @@ class Engine:
         if not logging.getLogger().handlers:  # leave an application's logging alone
             configure_logging(args.log_level, "engine")
         self.args = prepare_args(args)
-        self._rt: Runtime | None = start_runtime(self.args)
+        self._rt: Runtime | None = start_runtime(self.args, "engine process")
         from srt.managers.tokenizer_manager import TokenizerManager
 
         self._loop = asyncio.new_event_loop()
@@ -53,6 +53,7 @@ class Engine:
     async def _make_tm(self, cls: type) -> Any:
         assert self._rt is not None
         tm = cls(self.args, self._rt.ports, self._rt.limits)
+        tm.on_loop_failure = tm.fail_all  # its result loop died: nothing more will arrive
         tm.start()
         return tm
 
@@ -70,12 +71,13 @@ class Engine:
             try:
                 return fut.result(timeout=0.5)
             except TimeoutError:
-                dead = self._rt.supervisor.dead_child() if self._rt else None
-                if dead is not None:
+                failure = self._rt.supervisor.failure() if self._rt else None
+                reason = failure.reason if failure is not None else None
+                if reason is None and getattr(self, "tm", None) is not None:
+                    reason = self.tm.failed
+                if reason is not None:  # a process died or stalled (--watchdog-timeout)
                     fut.cancel()
-                    raise RuntimeError(
-                        f"the {dead.name} died ({describe_exit(dead.process.exitcode)})"
-                    ) from None
+                    raise RuntimeError(reason) from None
 
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,

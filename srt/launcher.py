@@ -20,11 +20,18 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import describe_exit
+from srt.utils import ChildLink, describe_exit
+from srt.watchdog import Heartbeat, dump_stacks
 
 logger = logging.getLogger("srt.launcher")
 
 MODEL_RANK0 = "model process (TP rank 0)"
+
+
+@dataclass(frozen=True)
+class Failure:
+    reason: str  # names the processes and what happened to them
+    stalled: bool  # no progress (the watchdog), rather than dead
 
 
 @dataclass
@@ -32,24 +39,38 @@ class Child:
     name: str
     process: mp.process.BaseProcess
     ready: Connection
+    heartbeat: Heartbeat
 
 
 class Supervisor:
-    """Owns the child processes: start, wait for ready, watch, stop."""
+    """Owns the child processes: start, wait for ready, watch, stop.
 
-    def __init__(self) -> None:
+    Watching covers deaths and stalls: a supervised loop (each child's, plus any loop of this
+    process registered with `add_loop`) whose heartbeat is older than `watchdog_timeout` has
+    stalled (srt/watchdog.py).
+    """
+
+    def __init__(self, watchdog_timeout: float = 300.0, name: str = "launcher process") -> None:
+        self.name = name  # of this process, in stack dumps
+        self.watchdog_timeout = watchdog_timeout
         self.children: list[Child] = []
+        self.loops: list[tuple[str, Heartbeat]] = []  # loops of this process
         self.stopping = False
         self.all_ready = False
 
     def start(self, name: str, target: Callable[..., None], *args: Any) -> None:
         ctx = mp.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=target, args=(*args, os.getpid(), writer), name=name,
-                           daemon=False)
+        heartbeat = Heartbeat()
+        link = ChildLink(os.getpid(), writer, heartbeat)
+        proc = ctx.Process(target=target, args=(*args, link), name=name, daemon=False)
         proc.start()
         writer.close()
-        self.children.append(Child(name, proc, reader))
+        self.children.append(Child(name, proc, reader, heartbeat))
+
+    def add_loop(self, name: str, heartbeat: Heartbeat) -> None:
+        """Watch a loop of this process (the HTTP event loop) like a child."""
+        self.loops.append((name, heartbeat))
 
     def wait_ready(self) -> dict[str, dict[str, Any]]:
         """Block until every child reported ready; raise with the child's traceback otherwise."""
@@ -74,22 +95,47 @@ class Supervisor:
         self.all_ready = True
         return infos
 
-    def alive(self) -> bool:
-        return all(c.process.is_alive() for c in self.children)
+    def stalled(self) -> list[str]:
+        """Names of the supervised loops without a heartbeat for watchdog_timeout, oldest
+        first."""
+        beats = [(c.name, c.heartbeat) for c in self.children] + self.loops
+        old = [(hb.age(), name) for name, hb in beats if hb.age() > self.watchdog_timeout]
+        return [name for _, name in sorted(old, reverse=True)]
 
-    def dead_child(self) -> Child | None:
-        return next((c for c in self.children if not c.process.is_alive()), None)
+    def failure(self) -> Failure | None:
+        """Why the runtime cannot serve (processes died or stalled), or None."""
+        # All that are dead: a TP rank that loses its peer dies too, maybe before the poll.
+        dead = [f"the {c.name} died ({describe_exit(c.process.exitcode)})"
+                for c in self.children if not c.process.is_alive()]
+        if dead:
+            return Failure("; ".join(dead), stalled=False)
+        stalled = self.stalled()
+        if stalled:
+            names = " and ".join(f"the {name}" for name in stalled)
+            return Failure(f"{names} made no progress for {self.watchdog_timeout:g} s "
+                           "(--watchdog-timeout)", stalled=True)
+        return None
 
-    def watch(self, on_death: Callable[[Child], None], interval: float = 0.5) -> None:
+    def healthy(self) -> bool:
+        """Liveness: every process started, alive and beating. No I/O; microseconds."""
+        return self.all_ready and not self.stopping and self.failure() is None
+
+    def watch(self, on_failure: Callable[[Failure], None], interval: float = 0.25) -> None:
+        """Call on_failure once, from a thread, when a process dies or stalls."""
         def run() -> None:
             while not self.stopping:
-                for child in self.children:
-                    if not child.process.is_alive() and not self.stopping:
-                        on_death(child)
-                        return
+                failure = self.failure()
+                if failure is not None and not self.stopping:
+                    logger.error("%s", failure.reason)
+                    on_failure(failure)
+                    return
                 time.sleep(interval)
 
         threading.Thread(target=run, daemon=True, name="supervisor").start()
+
+    def dump_stacks(self) -> None:
+        """Every process's stacks into the log (this one's, then each child's)."""
+        dump_stacks(self.name, [(c.name, c.process.pid) for c in self.children])
 
     def stop(self, timeout: float = 5.0) -> None:
         self.stopping = True
@@ -133,9 +179,10 @@ def prepare_args(args: ServerArgs) -> ServerArgs:
     return args
 
 
-def start_runtime(args: ServerArgs) -> Runtime:
+def start_runtime(args: ServerArgs, name: str = "launcher process") -> Runtime:
     """Spawn one model process per TP rank, the router and the detokenizer; return once all are
-    ready. On failure everything started is stopped and RuntimeError says which child and why."""
+    ready. On failure everything started is stopped and RuntimeError says which child and why.
+    `name`: what this process is called in logs (the HTTP process, an Engine's process)."""
     from srt.managers.detokenizer_manager import run_detokenizer_process
     from srt.managers.router.manager import run_router_process
     from srt.managers.router.model_rpc import run_model_process
@@ -143,7 +190,7 @@ def start_runtime(args: ServerArgs) -> Runtime:
 
     logger.info("starting srt: model %s, tp_size %d", args.model_path, args.tp_size)
     ports = PortArgs.create(args.tp_size)
-    supervisor = Supervisor()
+    supervisor = Supervisor(args.watchdog_timeout, name)
     try:
         for rank in range(args.tp_size):
             supervisor.start(f"model process (TP rank {rank})", run_model_process, args, ports,

@@ -3,24 +3,28 @@
     python -m srt.server [--model-path DIR] [--port 30000] ...
 
 Start-up: the router, one model process per TP rank and the detokenizer are spawned; each reports
-ready (or its traceback) over a pipe; only then does the HTTP server answer. If any child dies the
-server logs which one and why and exits non-zero, leaving no process behind. Ctrl-C and SIGTERM
-stop everything.
+ready (or its traceback) over a pipe; only then does the HTTP server answer. If any process dies or
+stalls (srt/watchdog.py) the server fails the requests in flight, logs which one and why and exits
+1, leaving no process behind. SIGTERM and Ctrl-C drain: new requests get 503, those in flight get
+--shutdown-timeout to finish, then everything stops with status 0 (srt/http/lifecycle.py).
 
 This process never imports the model runner, layers, models or kernels.
 """
 
+import asyncio
 import contextlib
 import json
 import logging
 import os
 import signal
 import sys
-from typing import Any, AsyncIterator
+import threading
+import time
+from typing import Any, AsyncIterator, Callable
 
-from srt.launcher import Child, Supervisor, prepare_args, start_runtime
+from srt.launcher import Failure, Supervisor, prepare_args, start_runtime
 from srt.server_args import ServerArgs
-from srt.utils import configure_logging, describe_exit
+from srt.utils import configure_logging
 
 logger = logging.getLogger("srt.server")
 
@@ -31,29 +35,40 @@ def _error(status: int, message: str, param: str | None, code: str) -> Any:
     return error_response(status, message, param, code)
 
 
-def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
+def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor, lifecycle: Any,
+               on_loop: Callable[[Any], None] = lambda _: None) -> Any:
+    """The FastAPI app. on_loop(loop) is called once the event loop runs (at app start-up)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
     from srt.http import layer as http_layer
+    from srt.http.errors import error_event
+    from srt.http.lifecycle import beat_forever
     from srt.managers.openai_api import OpenAIAdapter
-    from srt.managers.tokenizer_manager import RequestError
+    from srt.managers.tokenizer_manager import RequestError, ServerFailure
+    from srt.watchdog import Heartbeat
 
     chat_template = None
     if args.chat_template:
         with open(args.chat_template) as f:
             chat_template = f.read()
 
+    heartbeat = Heartbeat()
+    supervisor.add_loop("HTTP process", heartbeat)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         tm.start()
+        beat = asyncio.ensure_future(beat_forever(heartbeat))
+        on_loop(asyncio.get_running_loop())
         yield
+        beat.cancel()
 
     app = FastAPI(title="srt", lifespan=lifespan)
-    # error envelope, auth, limits, metrics, /health_generate, /metrics (srt/http/)
-    http = http_layer.install(app, args, tm, supervisor)
+    # error envelope, auth, limits, metrics, lifecycle gate, /health_generate, /metrics
+    http = http_layer.install(app, args, tm, supervisor, lifecycle)
 
     async def read_json(request: Request) -> Any:
         raw = await request.body()
@@ -64,9 +79,13 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
 
     @app.get("/health")
     async def health() -> Any:
-        if supervisor.all_ready and supervisor.alive():
+        # Liveness only: no model work, no message to another process (the lifecycle gate
+        # answers while draining or failed).
+        if supervisor.healthy():
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+        failure = supervisor.failure()
+        return _error(503, failure.reason if failure else "the server is not running", None,
+                      "unhealthy")
 
     @app.get("/get_model_info")
     async def get_model_info() -> Any:
@@ -120,8 +139,9 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
         await openai.load_images(parsed)
         tm.submit(parsed)
         if c["stream"]:
-            return StreamingResponse(openai.stream(parsed, c, chat, request.is_disconnected),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                _until_failure(openai.stream(parsed, c, chat, request.is_disconnected)),
+                media_type="text/event-stream")
         answer = await (openai.chat if chat else openai.completion)(
             parsed, c, request.is_disconnected)
         if answer is None:
@@ -137,7 +157,8 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
         await tm.load_images(parsed)
         tm.submit(parsed)
         if parsed.stream:
-            return StreamingResponse(_sse(request, parsed), media_type="text/event-stream")
+            return StreamingResponse(_until_failure(_sse(request, parsed)),
+                                     media_type="text/event-stream")
         return await _collect(request, parsed)
 
     async def _collect(request: Request, parsed: Any) -> Any:
@@ -145,6 +166,16 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
         if results is None:
             return JSONResponse({"status": "client disconnected"}, status_code=499)
         return results if parsed.is_batch else results[0]
+
+    async def _until_failure(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """A stream's events; if the server fails meanwhile, one error event ends it (no
+        [DONE])."""
+        try:
+            async with contextlib.aclosing(events) as items:
+                async for event in items:
+                    yield event
+        except ServerFailure as e:
+            yield error_event(503, str(e), None, "server_failed")
 
     async def _sse(request: Request, parsed: Any) -> AsyncIterator[bytes]:
         # aclosing: when the client goes away this generator is closed, and the inner one must
@@ -159,8 +190,13 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor) -> Any:
     return app
 
 
+# After a failure: how long the failed requests' answers get to leave before the process exits.
+FAILURE_FLUSH_S = 3.0
+
+
 def launch_server(args: ServerArgs) -> int:
-    """Start everything and serve until stopped. Returns the process exit code."""
+    """Start everything and serve until stopped. Returns the process exit code: 0 after a
+    SIGTERM/SIGINT, 1 after a failure (a process died or stalled), 2 for a bad configuration."""
     configure_logging(args.log_level, "http")
     try:
         args = prepare_args(args)
@@ -168,11 +204,12 @@ def launch_server(args: ServerArgs) -> int:
         logger.error("%s", e)
         return 2
     try:
-        rt = start_runtime(args)
+        rt = start_runtime(args, "HTTP process")
     except (RuntimeError, KeyboardInterrupt) as e:
         logger.error("%s", e)
         return 1
     supervisor, ports = rt.supervisor, rt.ports
+    from srt.http.lifecycle import Lifecycle, drain, make_graceful_server
     from srt.managers.tokenizer_manager import TokenizerManager
 
     try:
@@ -182,29 +219,60 @@ def launch_server(args: ServerArgs) -> int:
         rt.stop()
         return 2
 
-    def on_death(child: Child) -> None:
-        logger.error("the %s died (%s); shutting the server down", child.name,
-                     describe_exit(child.process.exitcode))
+    lifecycle = Lifecycle()
+    loop_box: list[asyncio.AbstractEventLoop] = []  # the event loop, once it runs
+
+    def on_failure(failure: Failure) -> None:
+        """From the supervisor thread (or a thread of the event loop's): fail the requests in
+        flight, dump every stack if something stalled, stop everything, exit 1."""
+        reason = failure.reason
+        if not lifecycle.fail(reason):
+            return
+        logger.error("shutting the server down: %s", reason)
+        if loop_box:
+            loop_box[0].call_soon_threadsafe(tm.fail_all, reason)
+        if failure.stalled:  # where is everyone? (before anything is stopped)
+            supervisor.dump_stacks()
+        deadline = time.monotonic() + FAILURE_FLUSH_S
+        while tm.states and time.monotonic() < deadline:  # len() of a dict: thread-safe
+            time.sleep(0.05)
+        time.sleep(0.2)  # the last error answers leave their sockets
         rt.stop()
         logging.shutdown()
         os._exit(1)
 
-    supervisor.watch(on_death)
-    app = create_app(args, tm, supervisor)
+    tm.on_loop_failure = lambda reason: threading.Thread(
+        target=on_failure, args=(Failure(reason, stalled=False),), daemon=True).start()
+    supervisor.watch(on_failure)
+    app = create_app(args, tm, supervisor, lifecycle, on_loop=loop_box.append)
 
     import uvicorn
 
+    # log_config=None: uvicorn's records go through our handler, which escapes control
+    # characters (srt/logsafe.py); no access log (it would carry paths and clients).
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            log_config=None, access_log=False, server_header=False,
+                            timeout_graceful_shutdown=3)
+
+    async def drain_then_exit() -> None:
+        await drain(tm, args.shutdown_timeout)
+        server.should_exit = True
+
+    def on_signal(signum: int) -> None:
+        logger.info("received %s: refusing new requests, draining (up to %g s)",
+                    signal.Signals(signum).name, args.shutdown_timeout)
+        if not lifecycle.start_draining():  # failing already: that path exits
+            return
+        loop = loop_box[0] if loop_box else None
+        if loop is None:  # not serving yet
+            server.should_exit = True
+            return
+        loop.call_soon_threadsafe(lambda: loop.create_task(drain_then_exit()))
+
+    server = make_graceful_server(config, on_signal)
     logger.info("ready: serving on http://%s:%d", args.host, args.port)
-    # uvicorn handles SIGINT/SIGTERM itself, then re-raises the signal into the handlers it found:
-    # make those record the stop instead of killing us before the children are stopped.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _frame: logger.info(
-            "received %s, stopping", signal.Signals(signum).name))
     try:
-        # log_config=None: uvicorn's records go through our handler, which escapes control
-        # characters (srt/logsafe.py); no access log (it would carry paths and clients).
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=None,
-                    access_log=False, server_header=False, timeout_graceful_shutdown=3)
+        server.run()
     finally:
         rt.stop()
     logger.info("stopped")

@@ -95,6 +95,16 @@ class ServerArgs:
     log_requests: bool = _f(False, "Log each request's body and output text (escaped). Off: "
                             "prompts and outputs are never logged.")
 
+    # Failure handling (srt/watchdog.py, srt/http/lifecycle.py)
+    watchdog_timeout: float = _f(
+        300.0, "Seconds a process may go without progress while it has work (a stalled loop) "
+        "before the server dumps every process's stacks and exits as after a crash.")
+    shutdown_timeout: float = _f(
+        30.0, "On SIGTERM or Ctrl-C: seconds in-flight requests get to finish (new ones are "
+        "refused with 503) before the rest are aborted and the server exits.")
+    # Fault injection for tests (srt/faults.py): from $SRT_FAULT only, never a flag.
+    fault: str | None = field(default=None, metadata={"cli": False})
+
     # Operations and security (srt/http/). Keys are never logged or reported.
     api_key: str | None = field(default=None, repr=False, metadata={"help": (
         "Require 'Authorization: Bearer KEY' on every route but --auth-exempt-paths "
@@ -133,6 +143,7 @@ class ServerArgs:
             served_model_name=self.served_model_name or self.model_path,
             api_key=self.api_key or os.environ.get("SRT_API_KEY") or None,
             admin_api_key=self.admin_api_key or os.environ.get("SRT_ADMIN_API_KEY") or None,
+            fault=self.fault or os.environ.get("SRT_FAULT") or None,
         )
         args.validate()
         return args
@@ -152,6 +163,14 @@ class ServerArgs:
             raise ValueError("--stream-interval must be >= 1")
         if self.schedule_conservativeness <= 0:
             raise ValueError("--schedule-conservativeness must be > 0")
+        if self.watchdog_timeout <= 0:
+            raise ValueError("--watchdog-timeout must be > 0")
+        if self.shutdown_timeout < 0:
+            raise ValueError("--shutdown-timeout must be >= 0")
+        if self.fault is not None:
+            from srt.faults import FaultSpec
+
+            FaultSpec.parse(self.fault)
         positive = ("max_request_body_bytes", "max_batch_prompts", "max_n", "max_stop_strings",
                     "max_stop_string_length", "max_regex_length", "max_json_schema_bytes",
                     "max_image_bytes", "max_image_pixels", "max_queued_requests")
@@ -175,6 +194,8 @@ class ServerArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
+            if f.metadata.get("cli") is False:
+                continue
             flag = "--" + f.name.replace("_", "-")
             help_ = f.metadata.get("help", "")
             if f.type in ("bool", bool):
@@ -189,7 +210,8 @@ class ServerArgs:
         parser = argparse.ArgumentParser(prog="python -m srt.server")
         cls.add_cli_args(parser)
         ns = parser.parse_args(argv)
-        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
+                      if hasattr(ns, f.name)})
 
 
 def _scalar_type(annotation: Any) -> type:

@@ -11,7 +11,8 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -38,8 +39,11 @@ def become_child_process(parent_pid: int, name: str = "") -> None:
     with SIGTERM. If the launcher is killed outright, the kernel (PR_SET_PDEATHSIG) and a watcher
     thread end the child too, so no process is left behind.
     """
+    from srt.watchdog import enable_stack_dumps
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    enable_stack_dumps()
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -74,17 +78,43 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def start_child(parent_pid: int, ready: Any, log_level: str, name: str,
-                build: Callable[[], T], info: Callable[[T], dict[str, Any]] = lambda _: {}) -> T:
+@dataclass
+class ChildLink:
+    """What a child process gets from the launcher besides its arguments: the launcher's pid
+    (to die with it), the write end of the ready pipe, and its heartbeat (srt/watchdog.py)."""
+
+    parent_pid: int
+    ready: Any  # multiprocessing Connection
+    heartbeat: Any  # srt.watchdog.Heartbeat
+
+
+def start_child(link: ChildLink, log_level: str, name: str, build: Callable[[], T],
+                info: Callable[[T], dict[str, Any]] = lambda _: {}) -> T:
     """The ready handshake of a child process: set it up, build its main object, then report
     ("ready", info(obj)) on the pipe, or ("error", traceback) and exit 1 if building failed."""
-    become_child_process(parent_pid, name)
+    become_child_process(link.parent_pid, name)
     configure_logging(log_level, name)
     try:
         obj = build()
         payload = info(obj)
     except Exception:
-        ready.send(("error", traceback.format_exc()))
+        link.ready.send(("error", traceback.format_exc()))
         raise SystemExit(1)
-    ready.send(("ready", payload))
+    link.heartbeat.beat()  # the watchdog starts counting from here
+    link.ready.send(("ready", payload))
     return obj
+
+
+def run_loop(name: str, loop: Callable[[], Any]) -> NoReturn:
+    """Run a child's main loop; if anything escapes it, log the traceback and exit 1 at once.
+
+    os._exit, not a normal interpreter exit: a half-torn-down process (threads, ZMQ contexts,
+    a process group) could hang in its exit handlers, and the launcher must see the death now.
+    """
+    try:
+        loop()
+        logging.getLogger("srt").critical("the %s loop returned", name)
+    except BaseException:
+        logging.getLogger("srt").critical("the %s crashed", name, exc_info=True)
+    logging.shutdown()
+    os._exit(1)

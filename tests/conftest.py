@@ -78,6 +78,7 @@ class ServerProcess:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     log_path: str = ""
+    env: dict[str, str] = field(default_factory=dict)  # added to the server's environment
 
     @property
     def url(self) -> str:
@@ -85,7 +86,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 300.0) -> "ServerProcess":
         fd, self.log_path = tempfile.mkstemp(prefix="srt-server-", suffix=".log")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "srt.server", "--port", str(self.port), *self.args],

@@ -46,6 +46,11 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+def error_event(status: int, message: str, param: str | None, code: str) -> bytes:
+    """The envelope as one Server-Sent Event: how a stream that cannot go on ends."""
+    return f"data: {json.dumps(error_body(status, message, param, code))}\n\n".encode()
+
+
 def error_response(status: int, message: str, param: str | None, code: str,
                    headers: dict[str, str] | None = None) -> Any:
     from fastapi.responses import JSONResponse
@@ -73,7 +78,7 @@ def install_error_handlers(app: Any) -> None:
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from srt.managers.tokenizer_manager import RequestError
+    from srt.managers.tokenizer_manager import RequestError, ServerFailure
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Any:
@@ -97,6 +102,10 @@ def install_error_handlers(app: Any) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> Any:
         return error_response(exc.status, str(exc), exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(ServerFailure)
+    async def _server_failure(_: Request, exc: ServerFailure) -> Any:
+        return error_response(503, str(exc), None, "server_failed")
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> Any:

@@ -1,7 +1,8 @@
 """Readiness: `/health_generate` runs a one-token greedy generation through the whole ring.
 
 At most one probe is in flight: callers that arrive while one runs share its result. `/health`
-stays the cheap liveness check (every child process up), with no generation.
+stays the cheap liveness check (every process up and beating, srt/watchdog.py), with no
+generation.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import asyncio
 import logging
 import uuid
 from typing import Any
+
+from srt.managers.tokenizer_manager import ServerFailure
 
 logger = logging.getLogger("srt.http")
 
@@ -23,8 +26,9 @@ class ReadinessProbe:
 
     async def check(self) -> tuple[bool, str]:
         """(ready, reason)."""
-        if not (self.supervisor.all_ready and self.supervisor.alive()):
-            return False, "a process of the server is not running"
+        if not self.supervisor.healthy():
+            failure = self.supervisor.failure()
+            return False, failure.reason if failure else "a process of the server is not running"
         if self._probe is None or self._probe.done():
             self._probe = asyncio.ensure_future(self._run())
         # shield: a caller that goes away must not cancel the probe the others wait on
@@ -38,12 +42,14 @@ class ReadinessProbe:
         async def never_disconnected() -> bool:
             return False
 
-        self.tm.submit(parsed)
         try:
+            self.tm.submit(parsed)
             results = await asyncio.wait_for(self.tm.wait_all(parsed, never_disconnected),
                                              self.timeout)
         except asyncio.TimeoutError:
             return False, f"a one-token generation took longer than {self.timeout} s"
+        except ServerFailure as e:
+            return False, str(e)
         if not results or results[0]["meta_info"]["completion_tokens"] != 1:
             return False, "the one-token generation did not complete"
         return True, "ok"

@@ -1,7 +1,8 @@
 """Puts the protective layers on the FastAPI app and adds the operations routes.
 
 Middleware order, outermost first: metrics (counts every answer, refusals too), CORS (only with
---cors-allow-origins), authentication (normalizes the path the app then routes on), body size.
+--cors-allow-origins), authentication (normalizes the path the app then routes on), body size,
+the lifecycle gate (503 while draining or failed, srt/http/lifecycle.py).
 Routes added here: `GET /metrics`, `GET /health_generate`.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 from srt.http.auth import AuthMiddleware, AuthPolicy
 from srt.http.errors import error_response, install_error_handlers
 from srt.http.health import ReadinessProbe
+from srt.http.lifecycle import Lifecycle, LifecycleGate
 from srt.http.limits import BodySizeMiddleware, QueueGate, RequestLimits
 from srt.http.request_log import Observers, RequestLog
 from srt.http.schemas import describe
@@ -78,7 +80,7 @@ class HttpLayer:
         return out
 
 
-def install(app: Any, args: Any, tm: Any, supervisor: Any) -> HttpLayer:
+def install(app: Any, args: Any, tm: Any, supervisor: Any, lifecycle: Lifecycle) -> HttpLayer:
     from fastapi.responses import JSONResponse, Response
 
     from srt.metrics import MetricsMiddleware
@@ -108,6 +110,7 @@ def install(app: Any, args: Any, tm: Any, supervisor: Any) -> HttpLayer:
         body, content_type = m.render()
         return Response(body, media_type=content_type)
 
+    app.add_middleware(LifecycleGate, lifecycle=lifecycle)
     app.add_middleware(BodySizeMiddleware, max_bytes=args.max_request_body_bytes)
     app.add_middleware(AuthMiddleware, policy=AuthPolicy.from_args(args))
     if args.cors_allow_origins:

@@ -6,23 +6,26 @@ only the tokenizer and the messages.
 from __future__ import annotations
 
 import logging
-from multiprocessing.connection import Connection
 
 import zmq
 
+from srt.faults import fault_point
 from srt.managers.comm import PullSocket, PushSocket
 from srt.managers.detokenize import IncrementalDetokenizer
 from srt.managers.io_struct import BatchStrOut, BatchTokenIdOut, StrOut, TokenLogprobs, TokenOut
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import start_child
+from srt.utils import ChildLink, run_loop, start_child
+from srt.watchdog import IDLE_POLL_MS, Heartbeat
 
 logger = logging.getLogger(__name__)
 
 
 class DetokenizerManager:
-    def __init__(self, args: ServerArgs, ports: PortArgs) -> None:
+    def __init__(self, args: ServerArgs, ports: PortArgs, heartbeat: Heartbeat) -> None:
         from transformers import AutoTokenizer
 
+        self.heartbeat = heartbeat
+        self.fault = fault_point(args.fault, "detokenizer")
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
         self.ctx = zmq.Context()
         self.inbox = PullSocket(self.ctx, ports.router_to_detokenizer)
@@ -73,14 +76,18 @@ class DetokenizerManager:
 
     def loop(self) -> None:
         while True:
-            msg = self.inbox.recv()
+            msg = self.inbox.recv(IDLE_POLL_MS)
+            self.heartbeat.beat()
+            if msg is None:
+                continue
             if isinstance(msg, BatchTokenIdOut):
+                self.fault.tick()
                 self.outbox.send(self.handle(msg))
             else:  # control results go back unchanged
                 self.outbox.send(msg)
 
 
-def run_detokenizer_process(args: ServerArgs, ports: PortArgs, parent_pid: int,
-                            ready: Connection) -> None:
-    start_child(parent_pid, ready, args.log_level, "detokenizer",
-                lambda: DetokenizerManager(args, ports)).loop()
+def run_detokenizer_process(args: ServerArgs, ports: PortArgs, link: ChildLink) -> None:
+    detokenizer = start_child(link, args.log_level, "detokenizer",
+                              lambda: DetokenizerManager(args, ports, link.heartbeat))
+    run_loop("detokenizer process", detokenizer.loop)

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from srt.constrained.fsm import FSMCache, constraint_regex
+from srt.faults import fault_point
 from srt.managers.comm import AsyncPullSocket, PushSocket
 from srt.managers.image_processor import ImageLoader
 from srt.managers.image_source import ImageError
@@ -51,6 +52,18 @@ class RequestError(ValueError):
         self.param = param
         self.code = code
         self.status = status
+
+
+class ServerFailure(RuntimeError):
+    """The server cannot finish the request: a process died or stalled. Answered with HTTP 503
+    and code "server_failed" (a stream ends with one error event)."""
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """Put on a request's queue when the server fails: its consumer raises ServerFailure."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -170,6 +183,10 @@ class TokenizerManager:
         self.images: ImageLoader | None = None
         if limits.image_token_id is not None:
             self.images = ImageLoader.create(args, limits.image_size)
+        self.fault = fault_point(args.fault, "http")
+        # Set by the server: called (on the event loop) with the reason if the result loop dies.
+        self.on_loop_failure: Callable[[str], None] | None = None
+        self.failed: str | None = None  # set by fail_all
 
     # ------------------------------------------------------------------ results
 
@@ -178,6 +195,34 @@ class TokenizerManager:
         if self._loop_task is None:
             self.inbox = AsyncPullSocket(self.ctx, self.ports.detokenizer_to_tokenizer)
             self._loop_task = asyncio.get_running_loop().create_task(self._result_loop())
+            self._loop_task.add_done_callback(self._result_loop_ended)
+
+    def _result_loop_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled():  # close()
+            return
+        exc = task.exception()
+        logger.critical("the result loop of the HTTP process crashed", exc_info=exc)
+        if self.on_loop_failure is not None:
+            self.on_loop_failure(f"the result loop of the HTTP process crashed: {exc!r}")
+
+    def fail_all(self, reason: str) -> None:
+        """The server failed: every request in flight (and every control call) ends now with
+        ServerFailure(reason), and so does every later one. Call on the event loop."""
+        self.failed = reason
+        for state in self.states.values():
+            if not state.finished:
+                state.queue.put_nowait(_Failed(reason))
+        for fut in self.control_waiters.values():
+            if not fut.done():
+                fut.set_exception(ServerFailure(reason))
+
+    def abort_all(self, message: str) -> int:
+        """Abort every request in flight through the ring (each still gets its answer, finished
+        with type "abort"). Returns how many."""
+        wire = [w for w, st in self.states.items() if not st.finished]
+        for w in wire:
+            self.to_router.send(AbortReq(w, message))
+        return len(wire)
 
     async def close(self) -> None:
         """Stop the result loop and close the sockets (on the loop that called `start`); a zmq
@@ -198,6 +243,7 @@ class TokenizerManager:
         while True:
             msg = await self.inbox.recv()
             if isinstance(msg, BatchStrOut):
+                self.fault.tick()
                 for out in msg.outs:
                     state = self.states.get(out.rid)
                     if state is not None:  # None: the client left and the request was aborted
@@ -210,6 +256,8 @@ class TokenizerManager:
                 logger.error("unexpected message from the detokenizer: %s", type(msg).__name__)
 
     async def control(self, kind: type, timeout: float = 60.0) -> Any:
+        if self.failed is not None:
+            raise ServerFailure(self.failed)
         rid = uuid.uuid4().hex
         fut = asyncio.get_running_loop().create_future()
         self.control_waiters[rid] = fut
@@ -502,6 +550,8 @@ class TokenizerManager:
         `load_images` for a request with images)."""
         if any(r.image_source is not None and r.image is None for r in parsed.reqs):
             raise RuntimeError("submit before load_images: the request's image is not loaded")
+        if self.failed is not None:
+            raise ServerFailure(self.failed)
         msgs = [
             TokenizedGenerateReq(
                 rid=r.wire_rid,
@@ -531,7 +581,7 @@ class TokenizerManager:
         if state is None:
             return
         self.user_rids.discard(state.user_rid)
-        if not state.finished:
+        if not state.finished and self.failed is None:  # a failed ring takes no messages
             self.to_router.send(AbortReq(rid, message))
 
     def abort_by_client_rid(self, rid: str, message: str) -> int:
@@ -549,7 +599,9 @@ class TokenizerManager:
         state = self.states[rid]
         try:
             while True:
-                out: StrOut = await state.queue.get()
+                out: StrOut | _Failed = await state.queue.get()
+                if isinstance(out, _Failed):
+                    raise ServerFailure(out.reason)
                 if self.observer is not None:
                     self.observer.on_output(rid, out)
                 state.output_ids.extend(out.new_ids)
@@ -602,6 +654,10 @@ class TokenizerManager:
                 try:
                     index, item = await asyncio.wait_for(queue.get(), timeout=0.25)
                 except asyncio.TimeoutError:
+                    failed = next((t for t in tasks if t.done() and not t.cancelled()
+                                   and t.exception() is not None), None)
+                    if failed is not None:
+                        raise failed.exception()  # e.g. ServerFailure
                     if await is_disconnected():
                         return
                     if all(t.done() for t in tasks) and queue.empty():

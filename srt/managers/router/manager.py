@@ -5,31 +5,43 @@ at a time, in lockstep. Rank 0's results go on to the detokenizer.
 from __future__ import annotations
 
 import logging
-from multiprocessing.connection import Connection
+from typing import Any
 
 import zmq
 
+from srt.faults import fault_point
 from srt.managers.comm import PullSocket, PushSocket
 from srt.managers.io_struct import AbortReq, StepInput, TokenizedGenerateReq
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import start_child
+from srt.utils import ChildLink, run_loop, start_child
+from srt.watchdog import IDLE_POLL_MS, Heartbeat
 
 logger = logging.getLogger(__name__)
 
 
 class RouterManager:
-    def __init__(self, args: ServerArgs, ports: PortArgs) -> None:
+    def __init__(self, args: ServerArgs, ports: PortArgs, heartbeat: Heartbeat) -> None:
+        self.heartbeat = heartbeat
+        self.fault = fault_point(args.fault, "router")
         self.ctx = zmq.Context()
         self.from_tokenizer = PullSocket(self.ctx, ports.tokenizer_to_router)
         self.to_models = [PushSocket(self.ctx, a) for a in ports.router_to_model]
         self.from_model = PullSocket(self.ctx, ports.model_to_router)
         self.to_detokenizer = PushSocket(self.ctx, ports.router_to_detokenizer)
 
+    def _wait(self, inbox: PullSocket) -> Any:
+        """The next message of `inbox`, beating while none comes (waiting is not stalling)."""
+        while True:
+            msg = inbox.recv(IDLE_POLL_MS)
+            self.heartbeat.beat()
+            if msg is not None:
+                return msg
+
     def loop(self) -> None:
         has_work = False
         while True:
             # Idle: block until something arrives. Busy: take what is queued and step on.
-            msgs = [] if has_work else [self.from_tokenizer.recv()]
+            msgs = [] if has_work else [self._wait(self.from_tokenizer)]
             msgs += self.from_tokenizer.drain()
             step = StepInput()
             for m in msgs:
@@ -39,9 +51,11 @@ class RouterManager:
                     step.aborts.append(m)
                 else:
                     step.controls.append(m)
+            if step.reqs or has_work:
+                self.fault.tick()
             for sock in self.to_models:
                 sock.send(step)
-            out = self.from_model.recv()
+            out = self._wait(self.from_model)
             has_work = out.has_work
             if out.token_out is not None:
                 self.to_detokenizer.send(out.token_out)
@@ -49,7 +63,7 @@ class RouterManager:
                 self.to_detokenizer.send(c)
 
 
-def run_router_process(args: ServerArgs, ports: PortArgs, parent_pid: int,
-                       ready: Connection) -> None:
-    start_child(parent_pid, ready, args.log_level, "router",
-                lambda: RouterManager(args, ports)).loop()
+def run_router_process(args: ServerArgs, ports: PortArgs, link: ChildLink) -> None:
+    router = start_child(link, args.log_level, "router",
+                         lambda: RouterManager(args, ports, link.heartbeat))
+    run_loop("router process", router.loop)

@@ -722,13 +722,14 @@ class ModelRpcServer:
         self.last_log = now
 
 
-def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, parent_pid: int,
-                      ready: Any) -> None:
+def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> None:
     """Entry of one TP rank's process: build everything, report ready (or the traceback), loop."""
     import zmq
 
+    from srt.faults import fault_point
     from srt.managers.comm import PullSocket, PushSocket
-    from srt.utils import start_child
+    from srt.utils import run_loop, start_child
+    from srt.watchdog import IDLE_POLL_MS
 
     sockets: list[Any] = []
 
@@ -762,10 +763,21 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, parent_pid: in
             "cuda_graph": server.runner.graph_runner is not None,
         }
 
-    server = start_child(parent_pid, ready, args.log_level, f"model tp{tp_rank}", build,
-                         ready_info)
+    server = start_child(link, args.log_level, f"model tp{tp_rank}", build, ready_info)
     inbox, outbox = sockets
-    while True:
-        out = server.step(inbox.recv())
-        if outbox is not None:
-            outbox.send(out)
+    fault = fault_point(args.fault, f"model{tp_rank}")
+    heartbeat = link.heartbeat
+
+    def loop() -> None:
+        while True:
+            inp = inbox.recv(IDLE_POLL_MS)
+            heartbeat.beat()  # idle, or a round done: progress either way
+            if inp is None:
+                continue
+            if inp.reqs or server.running or server.waiting:
+                fault.tick()
+            out = server.step(inp)
+            if outbox is not None:
+                outbox.send(out)
+
+    run_loop(f"model process (TP rank {tp_rank})", loop)
