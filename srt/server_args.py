@@ -87,6 +87,11 @@ class ServerArgs:
     disable_regex_jump_forward: bool = _f(
         False, "Sample every token of a regex / JSON-schema output, instead of appending at "
         "once the text the pattern forces (e.g. a schema's keys).")
+    enable_overlap_schedule: bool = _f(
+        False, "Run decode steps with the host one step behind the device: the next step is "
+        "launched with the sampled ids still on the device while the host finishes the "
+        "previous one (batches without constraints, penalties, seeds, logprobs or pending "
+        "min_new_tokens; greedy tokens are unchanged).")
     skip_warmup: bool = _f(False, "Report ready without first serving two small warm-up "
                            "requests (they compile the fill kernels at start-up instead of in "
                            "the first users' requests).")

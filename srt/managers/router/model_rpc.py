@@ -76,6 +76,30 @@ class TokenRatio:
         self.value = max(self.floor, self.value - self.decay)
 
 
+@dataclass
+class PendingIds:
+    """A step's sampled ids on the device and their copy to the host, possibly in flight."""
+
+    ids: torch.Tensor
+    host: torch.Tensor
+    done: Any = None  # a CUDA event recorded after the copy; None when it was synchronous
+
+    @classmethod
+    def start(cls, ids: torch.Tensor) -> "PendingIds":
+        if ids.device.type != "cuda":
+            return cls(ids, ids)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(ids, host, done)
+
+    def wait(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 class ModelRpcServer:
     def __init__(self, args: ServerArgs, tp_rank: int, dist_init_port: int | None = None) -> None:
         from transformers import AutoTokenizer
@@ -167,11 +191,14 @@ class ModelRpcServer:
             self._forward_fill(batch, outs)
         elif self.running:
             steps = 1 if self.waiting else DECODE_STEPS_PER_ROUND
-            for _ in range(steps):
-                if not self.running:
-                    break
-                if self._forward_decode(outs):
-                    break  # a request jumped forward: extend it in the next round
+            if steps > 1 and self.args.enable_overlap_schedule and self._overlap_eligible():
+                self._decode_overlapped(outs, steps)
+            else:
+                for _ in range(steps):
+                    if not self.running:
+                        break
+                    if self._forward_decode(outs):
+                        break  # a request jumped forward: extend it in the next round
         elif self.waiting and all(r.fsm_pending for r in self.waiting):
             time.sleep(0.001)  # only FSM compiles pending: do not spin the router at full speed
         self._maybe_log()
@@ -436,6 +463,77 @@ class ModelRpcServer:
         self.step_timer.end(len(batch))
         return jumped
 
+    def _overlap_eligible(self) -> bool:
+        """Every running request can take a step whose input the host has not seen: nothing
+        that needs the previous token on the host before the next forward (an FSM mask,
+        penalties over the output so far, a seed mixed with the position, the min_new_tokens
+        stop mask) and no logprobs (a deferred step carries none)."""
+        for r in self.running:
+            p = r.sampling_params
+            if (r.fsm is not None or r.logprob is not None or p.uses_penalties
+                    or p.seed is not None or len(r.output_ids) <= p.min_new_tokens):
+                return False
+        return True
+
+    def _decode_overlapped(self, outs: list[TokenOut], steps: int) -> None:
+        """`steps` DECODE steps with the host one step behind the device.
+
+        Step k is launched with step k-1's sampled ids straight from the device, before the
+        host has read them; then the host reads step k-1's ids, appends them and finishes what
+        finished while the device computes step k. A request that step k-1 finished (EOS, a
+        stop string) has already been launched into step k: that step's token is dropped and
+        its KV slot freed. A request whose in-flight token reaches max_new_tokens is left out
+        of the next launch. The last step is read before returning, so the round ends in the
+        state the plain loop leaves (greedy tokens are the same; a temperature > 0 request can
+        draw different random rows, the batch of a step being different).
+        """
+        pending: PendingIds | None = None
+        prev: list[Req] = []  # the batch of the step in flight, in the order of its ids
+        for k in range(steps + 1):
+            batch: list[Req] = []
+            if k < steps:
+                if pending is None:
+                    self._ensure_decode_memory(outs)
+                    batch = list(self.running)
+                else:
+                    batch = [r for r in prev if not r.finished
+                             and len(r.output_ids) + 1 < r.sampling_params.max_new_tokens]
+                    if self.pool.available_size() < len(batch):
+                        batch = []  # no room without evicting under a step in flight
+            slots: torch.Tensor | None = None
+            launched: PendingIds | None = None
+            if batch:
+                self.step_timer.begin()
+                slots = self._alloc_slots(len(batch))
+                if pending is None:
+                    positions = [r.kv_len for r in batch]
+                    ids_in: list[int] | torch.Tensor = [r.output_ids[-1] for r in batch]
+                else:  # the in-flight token is the input, one position further
+                    positions = [r.kv_len + 1 for r in batch]
+                    where = {id(r): i for i, r in enumerate(prev)}
+                    index = torch.tensor([where[id(r)] for r in batch], dtype=torch.int64)
+                    ids_in = pending.ids.index_select(0, index.to(pending.ids.device))
+                launched = self._run(batch, ForwardMode.DECODE, ids_in, positions, slots,
+                                     positions, [1] * len(batch), defer=True)
+            if pending is not None:
+                # Requests finished before this step was launched took part in it for nothing
+                # (their slot was freed then): skip their tokens.
+                live = [(r, tok) for r, tok in zip(prev, pending.wait()) if not r.finished]
+                for r, tok in live:
+                    self._append_token(r, tok)
+                self.ratio.step()
+                gone = [i for i, r in enumerate(batch) if r.finished]
+                if gone:  # finished by the step just read, but already in the next one
+                    assert slots is not None
+                    self.pool.free(slots[gone])
+                    for i in gone:
+                        batch[i].forward_passes -= 1
+                self._settle([r for r, _ in live], outs, newly_running=False)
+            if not batch:
+                return
+            self.step_timer.end(len(batch))
+            pending, prev = launched, batch
+
     def _ensure_decode_memory(self, outs: list[TokenOut]) -> None:
         """Make room for one new token per running request: evict, then retract."""
         need = len(self.running)
@@ -472,12 +570,17 @@ class ModelRpcServer:
 
     # ------------------------------------------------------------------ shared helpers
 
-    def _run(self, batch: list[Req], mode: ForwardMode, input_ids: list[int],
+    def _run(self, batch: list[Req], mode: ForwardMode, input_ids: list[int] | torch.Tensor,
              positions: list[int], out_cache_loc: torch.Tensor, prefix_lens: list[int],
              extend_lens: list[int], images: list[ImageSpanInput] | None = None,
-             ) -> tuple[list[int], list[TokenLogprobs | None], list[TokenLogprobs | None]]:
+             defer: bool = False) -> Any:
         """One forward and sampling: (next ids, prompt logprobs, logprobs of the next ids) per
-        request of the batch (None where not asked)."""
+        request of the batch (None where not asked).
+
+        input_ids may be a device tensor (the previous step's sampled ids, never seen by the
+        host). With `defer` (no logprobs in the batch), the sampled ids are not waited for: the
+        result is a `PendingIds` whose host copy is in flight.
+        """
         dev = self.runner.device
         for r in batch:
             r.forward_passes += 1
@@ -485,8 +588,11 @@ class ModelRpcServer:
             seq_lens = [p + 1 for p in positions]
         else:
             seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        t = self.step_inputs.build(input_ids, positions, out_cache_loc,
-                                   [r.req_pool_idx for r in batch], seq_lens)
+        on_device = isinstance(input_ids, torch.Tensor)
+        t = self.step_inputs.build([0] * len(positions) if on_device else input_ids, positions,
+                                   out_cache_loc, [r.req_pool_idx for r in batch], seq_lens)
+        if on_device:  # stream-ordered after the inputs' copy
+            t.input_ids.copy_(input_ids)
         if mode == ForwardMode.DECODE:  # the new token's slot: req_to_token[row, position]
             self.req_pool.req_to_token[t.req_pool_indices, t.positions] = t.out_cache_loc.to(
                 torch.int32)
@@ -528,6 +634,10 @@ class ModelRpcServer:
         # Rank 0 samples for all: ranks hold bitwise-equal logits and generators, but one
         # small broadcast makes it impossible for their schedules to drift apart.
         ids = parallel_state.broadcast_from_first(ids)
+        if defer:
+            assert lps is None, "deferred steps carry no logprobs"
+            self.step_timer.mark("sample")
+            return PendingIds.start(ids)
         if lps is not None:
             # Logprobs of the raw logits (the model's distribution), moved with the ids.
             result = lps.collect(logits, ids)
