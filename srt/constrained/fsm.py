@@ -146,6 +146,12 @@ def _init_worker(vocabulary: Any) -> None:
     # Die with the process that started it (a server stopped by SIGTERM never shuts the pool
     # down; without this the worker outlives it).
     become_child_process(os.getppid(), "fsm compile")
+    # Compiling is background work: on a machine with few cores it must not take CPU time from
+    # the processes that serve the running requests (their inter-token gaps).
+    try:
+        os.nice(4)
+    except OSError:
+        pass
     global _worker_vocabulary
     _worker_vocabulary = vocabulary
 

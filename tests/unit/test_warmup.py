@@ -1,5 +1,5 @@
-"""The model process's start-up warm-up: it runs the fill and decode paths and leaves nothing
-behind (pool, rows, tree, statistics, random state)."""
+"""The model process's start-up warm-up (on a GPU, unless --skip-warmup): it runs the fill and
+decode paths and leaves nothing behind (pool, rows, tree, statistics, random state)."""
 
 import random
 import tempfile
@@ -28,6 +28,8 @@ def test_warm_up_runs_every_path_and_leaves_nothing(monkeypatch) -> None:
 
     monkeypatch.setattr(model_rpc.ModelRpcServer, "_run", spy)
     server = ModelRpcServer(_args(path), 0, None)
+    assert seen == []  # on the CPU the model process does not warm up by itself
+    server._warm_up()
     modes = [m for m, _ in seen]
     assert modes[0] == ForwardMode.PREFILL and len(seen[0][1]) == 3
     ext = [p for m, p in seen if m == ForwardMode.EXTEND]
@@ -39,6 +41,3 @@ def test_warm_up_runs_every_path_and_leaves_nothing(monkeypatch) -> None:
     assert server.stats()["cache_hit_rate"] == 0 and server.prompt_tokens_total == 0
     assert server.rng.getstate() == random.Random(0).getstate() and server.arrivals == 0
 
-    seen.clear()
-    ModelRpcServer(_args(path, skip_warmup=True), 0, None)
-    assert seen == []

@@ -125,7 +125,8 @@ class ModelRpcServer:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self.step_inputs = StepInputBuilder(self.runner.device)
         self._reset_stats()
-        if not args.skip_warmup:
+        # On a GPU the first fills compile kernels; on the CPU there is nothing to warm up.
+        if not args.skip_warmup and self.runner.device.type == "cuda":
             self._warm_up()
 
     def _reset_stats(self) -> None:
