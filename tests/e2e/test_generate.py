@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import re
 import socket
 import time
 from typing import Any
@@ -119,6 +120,13 @@ def test_radix_cache_disabled_still_correct(smollm2_dir: str) -> None:
         first, second = srv.generate(body), srv.generate(body)
         assert first["output_ids"] == second["output_ids"]
         assert second["meta_info"]["cached_tokens"] == 0
+        # jump-forward needs no cache: the jumping request keeps its KV in the decode batch
+        rx = r"The answer is (yes|no)\. It is (red|green|blue)\."
+        con = srv.generate({"text": "Is the sky blue?", "sampling_params": {
+            "temperature": 0, "max_new_tokens": 32, "regex": rx}})
+        assert re.fullmatch(rx, con["text"]), con["text"]
+        assert con["meta_info"]["forward_passes"] < con["meta_info"]["completion_tokens"]
+        assert srv.server_info()["jump_forwards"] >= 2
         info = srv.wait_idle()
         assert info["evictable_kv_tokens"] == 0
         assert info["available_kv_tokens"] == info["max_total_num_tokens"]

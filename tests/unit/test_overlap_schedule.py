@@ -11,9 +11,9 @@ import pytest
 
 import srt.managers.router.model_rpc as model_rpc
 from benchmarks.common import write_shape_dir
-from srt.managers.io_struct import StepInput, TokenizedGenerateReq
+from srt.managers.io_struct import TokenizedGenerateReq
 from srt.managers.router.model_rpc import ModelRpcServer
-from srt.server_args import ServerArgs
+from tests.model_process import cpu_model_server, kv_is_free, serve_all
 
 N = 8  # requests
 
@@ -31,28 +31,14 @@ def tiny_dir() -> str:
 
 
 def _server(path: str, overlap: bool, dummy: bool = False) -> ModelRpcServer:
-    return ModelRpcServer(ServerArgs(
-        model_path=path, tokenizer_path=path, load_format="dummy" if dummy else "auto",
-        dtype="float32", device="cpu", attention_backend="torch", random_seed=0,
-        enable_overlap_schedule=overlap, skip_warmup=True), 0, None)
+    return cpu_model_server(path, dummy, enable_overlap_schedule=overlap)
 
 
 def _serve(server: ModelRpcServer, reqs: list[TokenizedGenerateReq]) -> dict[str, Any]:
     """rid -> (all ids, finish reason, forward passes) once every request is done."""
-    got: dict[str, list[int]] = {r.rid: [] for r in reqs}
-    end: dict[str, Any] = {}
-    out = server.step(StepInput(reqs=reqs))
-    for _ in range(10_000):
-        if out.token_out is not None:
-            for t in out.token_out.outs:
-                got[t.rid].extend(t.new_ids)
-                if t.finish_reason is not None:
-                    end[t.rid] = (t.finish_reason, t.forward_passes, t.completion_tokens)
-        if not out.has_work:
-            break
-        out = server.step(StepInput())
-    assert set(end) == set(got)
-    return {rid: (got[rid], *end[rid]) for rid in got}
+    return {rid: ([i for t in outs for i in t.new_ids], outs[-1].finish_reason,
+                  outs[-1].forward_passes, outs[-1].completion_tokens)
+            for rid, outs in serve_all(server, reqs).items()}
 
 
 def _requests(vocab: int, stops: dict[int, int] | None, stream: bool) -> list:
@@ -68,11 +54,6 @@ def _requests(vocab: int, stops: dict[int, int] | None, stream: bool) -> list:
             params["stop_token_ids"] = [stops[i]]
         reqs.append(TokenizedGenerateReq(f"r{i}", ids, params, stream=stream and i % 2 == 0))
     return reqs
-
-
-def _kv_is_free(server: ModelRpcServer) -> bool:
-    return (server.pool.available_size() + server.tree.evictable_size() == server.pool.size
-            and server.req_pool.available_size() == server.req_pool.size)
 
 
 def test_overlap_equals_plain_loop(model_dir: str, monkeypatch: Any) -> None:
@@ -103,7 +84,7 @@ def test_overlap_equals_plain_loop(model_dir: str, monkeypatch: Any) -> None:
     assert calls, "the overlapped loop did not run"
     assert got == want
     assert any(r[1]["type"] == "stop" for r in got.values())
-    assert _kv_is_free(plain) and _kv_is_free(overlap)
+    assert kv_is_free(plain) and kv_is_free(overlap)
 
 
 def test_ineligible_batches_take_the_plain_loop(tiny_dir: str, monkeypatch: Any) -> None:
@@ -118,4 +99,4 @@ def test_ineligible_batches_take_the_plain_loop(tiny_dir: str, monkeypatch: Any)
             r.sampling_params.update(extra, max_new_tokens=12)
         _serve(overlap, reqs)
     assert not calls
-    assert _kv_is_free(overlap)
+    assert kv_is_free(overlap)

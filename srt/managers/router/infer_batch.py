@@ -21,7 +21,10 @@ class Req:
     are locked through `last_node`; the rest are the request's own until it is cached or freed.
 
     Jump-forward may replace the unsent tail of `output_ids` (re-tokenized with the text the
-    pattern forces) while the request is out of the running set, holding no row.
+    pattern forces). While running, the request keeps its row: the KV of the replaced positions
+    is freed and `kv_valid` says how many leading positions still hold KV; the next step computes
+    the rest (`step_input_len` tokens instead of one). A request out of the running set holds no
+    row and no `kv_valid`.
 
     Logprobs (when `logprob` is set): the prompt's are computed at the first fill only and wait in
     `input_logprobs` until sent; `output_logprobs` has one entry per output id (kept across
@@ -56,6 +59,7 @@ class Req:
     # pad ids; kept until the request finishes (a retracted request may need it again).
     image: Any = None
     forward_passes: int = 0  # model forwards (fills and decode steps) this request took part in
+    kv_valid: int | None = None  # set by a jump while running: positions whose KV is still valid
 
     @property
     def fsm_pending(self) -> bool:
@@ -70,6 +74,17 @@ class Req:
     def kv_len(self) -> int:
         """Tokens whose KV is in the pool while running: all but the last sampled one."""
         return len(self.origin_input_ids) + len(self.output_ids) - 1
+
+    @property
+    def kv_computed(self) -> int:
+        """Leading positions of the row that hold KV while running (kv_len unless a jump
+        replaced ids that had KV)."""
+        return self.kv_len if self.kv_valid is None else self.kv_valid
+
+    @property
+    def step_input_len(self) -> int:
+        """Tokens the next step feeds for this running request: 1, or more after a jump."""
+        return len(self.origin_input_ids) + len(self.output_ids) - self.kv_computed
 
     @property
     def remaining_new_tokens(self) -> int:

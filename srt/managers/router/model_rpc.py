@@ -54,6 +54,10 @@ logger = logging.getLogger(__name__)
 DECODE_STEPS_PER_ROUND = 4
 # Retraction re-estimates the ratio as if every request still ran this many steps.
 RETRACT_LOOKAHEAD_STEPS = 20
+# A running request that jumps forward stays in the decode batch (its new ids are computed by
+# the batch's next step); False sends every jump through the waiting queue and a fill (tests
+# compare the two).
+JUMP_IN_BATCH = True
 
 
 @dataclass
@@ -138,6 +142,7 @@ class ModelRpcServer:
         self.step_timer = StepTimer()
         self.jump_forwards_total = 0
         self.jump_forward_tokens_total = 0  # output ids added by jumps (net of re-tokenizing)
+        self.mixed_steps_total = 0  # EXTEND steps of the running batch after jumps inside it
 
     def _warm_up(self) -> None:
         """Serve a few requests before reporting ready, so that the kernels of the fill paths
@@ -233,8 +238,9 @@ class ModelRpcServer:
             eos = self.tokenizer.eos_token_id
             self.fsm_cache = FSMCache(self.tokenizer, int(eos) if eos is not None else -1,
                                       self.args.constrained_cache_size)
-            # Without the radix cache every jump would recompute the whole sequence.
-            if not (self.args.disable_regex_jump_forward or self.args.disable_radix_cache):
+            # Without the radix cache a jump still works: a running request keeps its KV in
+            # the batch, and one that jumps before its first fill has no KV to lose.
+            if not self.args.disable_regex_jump_forward:
                 jump = JumpForward(self.tokenizer, self.fsm_cache.token_bytes)
                 self.jump = jump if jump.usable else None
         try:
@@ -322,6 +328,7 @@ class ModelRpcServer:
             "retracted_reqs": self.retracted_total,
             "jump_forwards": self.jump_forwards_total,
             "jump_forward_tokens": self.jump_forward_tokens_total,
+            "jump_forward_batch_steps": self.mixed_steps_total,
             "max_running_requests": info.max_running_requests,
             "device": info.device,
             "dtype": info.dtype,
@@ -446,23 +453,56 @@ class ModelRpcServer:
     # ------------------------------------------------------------------ decode
 
     def _forward_decode(self, outs: list[TokenOut]) -> bool:
-        """One DECODE step of the running batch; True if a request jumped forward (it now waits
-        for its extend)."""
+        """One step of the running batch; True if a request jumped forward out of the batch (it
+        now waits for a fill).
+
+        A DECODE step, or, when a request jumped forward inside the batch (its output ids were
+        re-tokenized with forced text), an EXTEND step of the whole batch: one token for each
+        other request, the ids without KV for each request that jumped. The rest of the batch
+        keeps decoding through the jump instead of waiting for a fill round of its own.
+        """
         self.step_timer.begin()
         self._ensure_decode_memory(outs)
         batch = self.running
-        slots = self._alloc_slots(len(batch))
-        positions = [r.kv_len for r in batch]
-        input_ids = [r.output_ids[-1] for r in batch]
-        next_ids, _, out_lps = self._run(
-            batch, ForwardMode.DECODE, input_ids, positions, slots, positions, [1] * len(batch)
-        )
+        if any(r.kv_valid is not None for r in batch):
+            next_ids, out_lps = self._forward_mixed(batch)
+        else:
+            slots = self._alloc_slots(len(batch))
+            positions = [r.kv_len for r in batch]
+            input_ids = [r.output_ids[-1] for r in batch]
+            next_ids, _, out_lps = self._run(
+                batch, ForwardMode.DECODE, input_ids, positions, slots, positions,
+                [1] * len(batch))
         for r, tok, out_lp in zip(batch, next_ids, out_lps):
             self._append_token(r, tok, out_lp)
         self.ratio.step()
         jumped = self._settle(batch, outs, newly_running=False)
         self.step_timer.end(len(batch))
         return jumped
+
+    def _forward_mixed(self, batch: list[Req]) -> tuple[list[int], list[Any]]:
+        """The EXTEND forward of a running batch in which some requests jumped forward: each
+        request computes its ids from `kv_computed` on (one for most). Returns the sampled ids
+        and their logprobs."""
+        starts = [r.kv_computed for r in batch]
+        ext_lens = [r.step_input_len for r in batch]
+        slots = self._alloc_slots(sum(ext_lens))
+        input_ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        for r, start, ext in zip(batch, starts, ext_lens):
+            input_ids.extend(r.fill_ids[start:])
+            positions.extend(range(start, start + ext))
+            rows.extend([r.req_pool_idx] * ext)
+            r.kv_valid = None
+        table = self.req_pool.req_to_token
+        # One scatter for every new slot of the step (rows and columns built on the host).
+        index = torch.tensor([rows, positions], dtype=torch.int64).to(table.device)
+        table[index[0], index[1]] = slots.to(table.device, torch.int32)
+        next_ids, _, out_lps = self._run(batch, ForwardMode.EXTEND, input_ids, positions, slots,
+                                         starts, ext_lens)
+        self.mixed_steps_total += 1
+        return next_ids, out_lps
 
     def _overlap_eligible(self) -> bool:
         """Every running request can take a step whose input the host has not seen: nothing
@@ -536,21 +576,24 @@ class ModelRpcServer:
             pending, prev = launched, batch
 
     def _ensure_decode_memory(self, outs: list[TokenOut]) -> None:
-        """Make room for one new token per running request: evict, then retract."""
-        need = len(self.running)
+        """Make room for the next step's tokens (one per running request, more after a jump):
+        evict, then retract."""
+        def need() -> int:
+            return sum(r.step_input_len for r in self.running)
+
         free = self.pool.available_size()
-        if free >= need:
+        if free >= need():
             return
-        self.tree.evict(need - free)
+        self.tree.evict(need() - free)
         retracted: list[Req] = []
-        while self.pool.available_size() < len(self.running) and len(self.running) > 1:
+        while self.pool.available_size() < need() and len(self.running) > 1:
             # least progress first: fewest generated tokens, then the longest prompt
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
             self.running.remove(victim)
             self._retract(victim)
             retracted.append(victim)
-            self.tree.evict(len(self.running) - self.pool.available_size())
-        if self.pool.available_size() < len(self.running):
+            self.tree.evict(max(0, need() - self.pool.available_size()))
+        if self.pool.available_size() < need():
             raise RuntimeError("a single request does not fit the KV pool (admission is broken)")
         if retracted:
             total_max = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
@@ -722,16 +765,21 @@ class ModelRpcServer:
         return jumped_any
 
     def _jump_forward(self, req: Req) -> bool:
-        """Append the text the request's pattern forces from its state, if that gains anything.
+        """Append the text the request's pattern forces from its state, if that gains anything;
+        True if the request must go back to the waiting queue for it.
 
-        The request's KV goes into the radix tree first (its row and lock are released), then the
-        unsent tail of its output ids is replaced by the re-tokenized tail plus the forced text;
-        each new id passes the same checks as a sampled one (FSM, stop ids and strings,
-        max_new_tokens, a completed pattern). Unless that finished it, the caller puts it back in
-        the waiting queue: its next fill finds the kept prefix in the tree, computes only the new
-        ids and samples the next token. Requests that want logprobs never jump (forced tokens
-        are not sampled, so they would have none). Every rank plans the same jump: the plan
-        depends only on the request's ids, the pattern and the tokenizer.
+        The unsent tail of the output ids is replaced by the re-tokenized tail plus the forced
+        text; each new id passes the same checks as a sampled one (FSM, stop ids and strings,
+        max_new_tokens, a completed pattern). A running request stays in the batch: the KV of
+        the positions whose ids changed is freed, `kv_valid` marks where its KV ends, and the
+        next step computes the new ids with the rest of the batch. A request without a row (a
+        pattern that starts with fixed text, before its first fill), or one whose changed ids
+        reach into the part of its KV that the radix tree holds, goes through the tree instead:
+        its KV is cached, its row and lock released, and the caller puts it back in the waiting
+        queue, whose next fill finds the kept prefix in the tree and computes the new ids.
+        Requests that want logprobs never jump (forced tokens are not sampled, so they would
+        have none). Every rank plans the same jump: the plan depends only on the request's ids,
+        the pattern and the tokenizer.
         """
         if self.jump is None or req.fsm is None or req.logprob is not None:
             return False
@@ -739,7 +787,23 @@ class ModelRpcServer:
                               req.sampling_params.max_new_tokens)
         if plan is None:
             return False
-        self._cache_finished(req)
+        in_batch = False
+        if req.req_pool_idx is not None:
+            old_ids, old_kv = req.fill_ids, req.kv_computed
+            new_ids = old_ids[: len(req.origin_input_ids) + plan.keep] + plan.new_ids
+            valid = min(len(req.origin_input_ids) + plan.keep, old_kv)
+            # KV at a position depends only on the ids up to it: it stays valid while the new
+            # ids equal the old (at least one new id is left to compute for the next logits).
+            while valid < min(old_kv, len(new_ids) - 1) and new_ids[valid] == old_ids[valid]:
+                valid += 1
+            in_batch = JUMP_IN_BATCH and valid >= len(req.prefix_indices)
+            if in_batch:
+                row = self.req_pool.req_to_token[req.req_pool_idx]
+                if valid < old_kv:
+                    self.pool.free(row[valid:old_kv].to("cpu", torch.int64))
+                req.kv_valid = valid
+            else:
+                self._cache_finished(req)
         before = len(req.output_ids)
         del req.output_ids[plan.keep :]
         req.fsm_state = plan.keep_state
@@ -750,7 +814,7 @@ class ModelRpcServer:
                 break
         self.jump_forwards_total += 1
         self.jump_forward_tokens_total += len(req.output_ids) - before
-        return True
+        return not in_batch
 
     def _token_out(self, r: Req) -> TokenOut:
         new = r.output_ids[r.sent_len :]
@@ -797,8 +861,13 @@ class ModelRpcServer:
         """The request leaves the running set: its KV goes to the tree, its lock and row go back."""
         if req.req_pool_idx is None:
             return
-        # Every token has KV except the last sampled one (a prefill-only request has none).
-        n = req.kv_len if req.output_ids else len(req.origin_input_ids)
+        # Every token has KV except the last sampled one (a prefill-only request has none), or
+        # after a jump inside the batch, the ids before kv_valid.
+        if req.kv_valid is not None:
+            n = req.kv_valid
+        else:
+            n = req.kv_len if req.output_ids else len(req.origin_input_ids)
+        req.kv_valid = None
         key = req.fill_ids[:n]
         slots = self.req_pool.req_to_token[req.req_pool_idx, :n].to("cpu", torch.int64)
         old = len(req.prefix_indices)

@@ -79,12 +79,26 @@ class TreeNode:
 
 
 def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """Length of the common prefix of two token lists.
+
+    Slice comparisons run in C: the whole-overlap check answers the common case (a cached
+    prefix matched to its end) at once, and a mismatch is narrowed by bisection down to a short
+    run compared in Python. (A Python loop over every token cost about 0.1 ms per 2k-token
+    prompt, several times per request.)
+    """
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; the first difference lies in [lo, hi)
+    while hi - lo > 16:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[lo] == b[lo]:
+        lo += 1
+    return lo
 
 
 class RadixCache:

@@ -1,0 +1,42 @@
+"""Driving one model process (ModelRpcServer) in-process, without the router or HTTP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from srt.managers.io_struct import StepInput, TokenizedGenerateReq, TokenOut
+from srt.managers.router.model_rpc import ModelRpcServer
+from srt.server_args import ServerArgs
+
+
+def cpu_model_server(path: str, dummy: bool = False, **args: Any) -> ModelRpcServer:
+    """Rank 0 of a float32 CPU server with torch attention, seed 0 and no warm-up."""
+    return ModelRpcServer(ServerArgs(
+        model_path=path, tokenizer_path=path, load_format="dummy" if dummy else "auto",
+        dtype="float32", device="cpu", attention_backend="torch", random_seed=0,
+        skip_warmup=True, **args), 0, None)
+
+
+def serve_all(server: ModelRpcServer, reqs: list[TokenizedGenerateReq],
+              max_rounds: int = 10_000) -> dict[str, list[TokenOut]]:
+    """Step until nothing runs or waits; every request's outputs in order (the last one carries
+    its finish reason)."""
+    outs: dict[str, list[TokenOut]] = {r.rid: [] for r in reqs}
+    out = server.step(StepInput(reqs=reqs))
+    for _ in range(max_rounds):
+        if out.token_out is not None:
+            for t in out.token_out.outs:
+                outs[t.rid].append(t)
+        if not out.has_work:
+            break
+        out = server.step(StepInput())
+    unfinished = [rid for rid, o in outs.items() if not o or o[-1].finish_reason is None]
+    assert not unfinished, unfinished
+    return outs
+
+
+def kv_is_free(server: ModelRpcServer) -> bool:
+    """Every slot free or evictable, no tree lock, every req_to_token row free."""
+    return (server.pool.available_size() + server.tree.evictable_size() == server.pool.size
+            and server.tree.locked_size() == 0
+            and server.req_pool.available_size() == server.req_pool.size)

@@ -1,0 +1,109 @@
+"""Jump-forward inside the decode batch: a running request whose pattern forces text keeps its
+row, and the batch's next step (EXTEND) computes its new ids together with one token of every
+other request. Compared with jumps through the waiting queue (each a fill round of its own):
+the same greedy ids and finish reasons, fewer fill rounds, and the KV all given back."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+
+import srt.managers.router.model_rpc as model_rpc
+from srt.managers.io_struct import LogprobOptions, TokenizedGenerateReq
+from srt.managers.router.model_rpc import ModelRpcServer
+from tests.e2e.test_jump_forward import LONG_KEYS
+from tests.model_process import cpu_model_server, kv_is_free, serve_all
+
+REGEXES = [r"The answer is (yes|no)\. The colour is (red|green|blue)\.",
+           r"Date: (19|20)[0-9]{2}-[01][0-9]-[0-3][0-9], place: [A-Z][a-z]{2,8}"]
+
+
+def _requests(tok: Any) -> list[TokenizedGenerateReq]:
+    def ids(text: str) -> list[int]:
+        return tok.encode(text)
+
+    greedy = {"temperature": 0, "max_new_tokens": 48}
+    reqs = [
+        TokenizedGenerateReq("schema", ids("Describe a person as JSON:"),
+                             {**greedy, "max_new_tokens": 96,
+                              "json_schema": json.dumps(LONG_KEYS)}),
+        TokenizedGenerateReq("regex0", ids("Answer:"), {**greedy, "regex": REGEXES[0]},
+                             stream=True),
+        TokenizedGenerateReq("regex1", ids("When and where?"), {**greedy, "regex": REGEXES[1]}),
+        # unconstrained neighbours of different lengths, one with output logprobs
+        TokenizedGenerateReq("free0", ids("The capital of France is"),
+                             {**greedy, "max_new_tokens": 24, "ignore_eos": True}),
+        TokenizedGenerateReq("free1", ids("def fibonacci(n):"),
+                             {**greedy, "max_new_tokens": 7, "ignore_eos": True}, stream=True),
+        TokenizedGenerateReq("logprobs", ids("Once upon a time"),
+                             {**greedy, "max_new_tokens": 20, "ignore_eos": True},
+                             logprob=LogprobOptions(logprob_start_len=-1, top_logprobs_num=2)),
+    ]
+    return reqs
+
+
+def _serve(server: ModelRpcServer, reqs: list[TokenizedGenerateReq]) -> dict[str, Any]:
+    """rid -> (ids, finish reason, forward passes, completion tokens, output logprobs) once all
+    are done."""
+    res = {}
+    for rid, outs in serve_all(server, reqs).items():
+        lps = [x for t in outs if t.output_logprobs is not None
+               for x in t.output_logprobs.logprobs]
+        res[rid] = ([i for t in outs for i in t.new_ids], outs[-1].finish_reason["type"],
+                    outs[-1].forward_passes, outs[-1].completion_tokens, lps)
+    return res
+
+
+@pytest.fixture(scope="module")
+def results(smollm2_dir: str, smollm2_tokenizer: Any) -> dict[str, Any]:
+    mp = pytest.MonkeyPatch()
+    out = {}
+    try:
+        for name, in_batch in (("batch", True), ("queue", False)):
+            mp.setattr(model_rpc, "JUMP_IN_BATCH", in_batch)
+            server = cpu_model_server(smollm2_dir)
+            res = _serve(server, _requests(smollm2_tokenizer))
+            out[name] = (res, server.stats(), kv_is_free(server))
+    finally:
+        mp.undo()
+    return out
+
+
+def test_same_ids_as_jumps_through_the_queue(results: dict[str, Any]) -> None:
+    batch, queue = results["batch"][0], results["queue"][0]
+    for rid in batch:
+        assert batch[rid][:2] == queue[rid][:2], rid
+        # the same tokens took the same number of forwards for the request itself
+        assert batch[rid][2] == queue[rid][2], rid
+        assert batch[rid][4] == pytest.approx(queue[rid][4], abs=1e-4), rid
+
+
+def test_outputs_valid_and_jumps_taken(results: dict[str, Any], smollm2_tokenizer: Any) -> None:
+    res, stats, free = results["batch"]
+    text = {rid: smollm2_tokenizer.decode(v[0]) for rid, v in res.items()}
+    jsonschema.validate(json.loads(text["schema"]), LONG_KEYS)
+    assert re.fullmatch(REGEXES[0], text["regex0"]), text["regex0"]
+    assert re.fullmatch(REGEXES[1], text["regex1"]), text["regex1"]
+    assert stats["jump_forwards"] >= 6
+    assert stats["jump_forward_batch_steps"] >= 1
+    assert free
+    for rid in ("schema", "regex0", "regex1"):  # forced tokens took no forward of their own
+        assert res[rid][2] + 4 < res[rid][3], (rid, res[rid][2:4])
+    for rid in ("free0", "free1", "logprobs"):
+        assert res[rid][2] == res[rid][3], rid
+    assert len(res["logprobs"][4]) == 20
+
+
+def test_fewer_fill_rounds_than_through_the_queue(results: dict[str, Any]) -> None:
+    """Through the queue, jumps after the first fill need fills of their own; inside the batch
+    they need none: the constrained requests' first fill and the free ones' are all."""
+    batch, queue = results["batch"][1], results["queue"][1]
+    assert batch["decode_step_times"]["fills"]["rounds"] <= 2
+    assert queue["decode_step_times"]["fills"]["rounds"] > 2
+    assert queue["jump_forward_batch_steps"] == 0
+    assert batch["jump_forwards"] == queue["jump_forwards"]
+    assert results["queue"][2]
