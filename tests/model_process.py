@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from srt.managers.io_struct import StepInput, TokenizedGenerateReq, TokenOut
 from srt.managers.router.model_rpc import ModelRpcServer
@@ -18,16 +18,20 @@ def cpu_model_server(path: str, dummy: bool = False, **args: Any) -> ModelRpcSer
 
 
 def serve_all(server: ModelRpcServer, reqs: list[TokenizedGenerateReq],
-              max_rounds: int = 10_000) -> dict[str, list[TokenOut]]:
+              max_rounds: int = 10_000,
+              after_step: Callable[[ModelRpcServer], None] | None = None
+              ) -> dict[str, list[TokenOut]]:
     """Step until nothing runs or waits; every request's outputs in order (the last one carries
-    its finish reason)."""
+    its finish reason). `after_step` is called after every round."""
     outs: dict[str, list[TokenOut]] = {r.rid: [] for r in reqs}
     out = server.step(StepInput(reqs=reqs))
     for _ in range(max_rounds):
         if out.token_out is not None:
             for t in out.token_out.outs:
                 outs[t.rid].append(t)
-        if not out.has_work:
+        if after_step is not None:
+            after_step(server)
+        if not out.has_work and not (server.running or server.waiting):
             break
         out = server.step(StepInput())
     unfinished = [rid for rid, o in outs.items() if not o or o[-1].finish_reason is None]
