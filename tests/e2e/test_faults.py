@@ -264,8 +264,10 @@ def test_http_exit_takes_every_child_down(tiny_llama: str) -> None:
         srv.stop()
 
 
-def test_stalled_model_is_caught_by_the_watchdog(tiny_llama: str) -> None:
-    srv = _serve(tiny_llama, f"model0:stall:{AFTER}", ("--watchdog-timeout", str(WATCHDOG_S)))
+@pytest.mark.parametrize("process,name", CHILD_FAULTS)
+def test_stalled_child_is_caught_by_the_watchdog(tiny_llama: str, process: str,
+                                                 name: str) -> None:
+    srv = _serve(tiny_llama, f"{process}:stall:{AFTER}", ("--watchdog-timeout", str(WATCHDOG_S)))
     try:
         out = _run(srv)
         _assert_crash_handled(out, srv, health_answers=True)
@@ -273,14 +275,14 @@ def test_stalled_model_is_caught_by_the_watchdog(tiny_llama: str) -> None:
         # machine to reach the stall)
         assert out.failed_at - out.started <= WATCHDOG_S + 10.0, out
         for a in out.answers:
-            assert "model process (TP rank 0)" in a.error and "made no progress" in a.error, a
+            assert name in a.error and "made no progress" in a.error, a
         log = srv.log()
         # every process's stacks, the stalled one showing where it is stuck
         dumps = log[log.index("stacks of the HTTP process"):]
-        for name in ("router process", "detokenizer process", "model process (TP rank 0)"):
-            assert f"stacks of the {name}" in dumps, name
-        model_dump = dumps[dumps.index("stacks of the model process (TP rank 0)"):]
-        assert "faults.py" in model_dump and "in tick" in model_dump, model_dump[:3000]
+        for other in ("router process", "detokenizer process", "model process (TP rank 0)"):
+            assert f"stacks of the {other}" in dumps, other
+        stalled = dumps[dumps.index(f"stacks of the {name}"):]
+        assert "faults.py" in stalled and "in tick" in stalled, stalled[:3000]
     finally:
         srv.stop()
 
