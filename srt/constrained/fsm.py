@@ -97,6 +97,7 @@ class TokenFSM:
         # the compile worker does it and passes the count along.
         self.num_states = len(index.get_transitions()) if num_states is None else num_states
         self._allowed: dict[int, "torch.Tensor"] = {}
+        self._dead_end: dict[int, bool] = {}  # asked every step of every constrained request
         # Jump-forward's forced bytes per state (filled by srt.constrained.jump_forward).
         self.forced: dict[int, bytes] = {}
         self._lock = threading.Lock()
@@ -122,10 +123,12 @@ class TokenFSM:
 
     def is_dead_end(self, state: int) -> bool:
         """A final state from which no token but EOS continues: the output is complete."""
-        if not self.is_final(state):
-            return False
-        ids = self.allowed_tokens(state)
-        return bool((ids == self.eos_token_id).all())
+        hit = self._dead_end.get(state)
+        if hit is None:
+            hit = self.is_final(state) and bool(
+                (self.allowed_tokens(state) == self.eos_token_id).all())
+            self._dead_end[state] = hit
+        return hit
 
 
 def compile_fsm(pattern: str, vocabulary: Any, eos_token_id: int) -> TokenFSM:

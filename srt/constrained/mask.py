@@ -12,11 +12,13 @@ from srt.constrained.fsm import TokenFSM
 class ForbiddenRows:
     """Forbidden-token rows per (FSM, state) on the device, built once and reused.
 
-    A row is a [vocab] bool tensor, True where the token is forbidden. Rows are kept in LRU
-    order within `budget_bytes` (a JSON schema may have thousands of states; each row costs
-    vocab bytes). Keys use the FSM's `serial`, unique per compiled FSM, so a row never outlives
-    its pattern's meaning. A batch's mask is then one `stack` of cached rows on the device:
-    nothing is copied from the host and nothing waits for the forward in flight.
+    A row is a [vocab] bool vector, True where the token is forbidden. Rows live in one
+    [slots, vocab] tensor on the device (slot 0 forbids nothing: the unconstrained rows), kept
+    in LRU order within `budget_bytes` (a JSON schema may have thousands of states; each row
+    costs vocab bytes); the tensor grows by doubling up to that. Keys use the FSM's `serial`,
+    unique per compiled FSM, so a row never outlives its pattern's meaning. A batch's mask is
+    then one `index_select` of cached rows on the device: nothing but the row indices is copied
+    from the host, and nothing waits for the forward in flight.
     """
 
     def __init__(self, vocab_size: int, device: torch.device,
@@ -24,30 +26,54 @@ class ForbiddenRows:
         self.vocab_size = vocab_size
         self.device = device
         self.max_rows = max(16, budget_bytes // max(1, vocab_size))
-        self._rows: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
-        self._free = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self._rows: OrderedDict[tuple[int, int], int] = OrderedDict()  # key -> slot
+        self._slab = torch.zeros((min(64, self.max_rows) + 1, vocab_size), dtype=torch.bool,
+                                 device=device)
+        self._free_slots = list(range(self._slab.shape[0] - 1, 0, -1))
+        self.built = 0  # rows built so far (each (FSM, state) once while cached)
 
-    def row(self, fsm: TokenFSM, state: int) -> torch.Tensor:
+    def _grow(self) -> None:
+        old = self._slab
+        n = min(2 * (old.shape[0] - 1), self.max_rows) + 1
+        self._slab = torch.zeros((n, self.vocab_size), dtype=torch.bool, device=self.device)
+        self._slab[: old.shape[0]] = old
+        self._free_slots.extend(range(n - 1, old.shape[0] - 1, -1))
+
+    def _slot(self, fsm: TokenFSM, state: int) -> int:
         key = (fsm.serial, state)
-        r = self._rows.get(key)
-        if r is not None:
+        slot = self._rows.get(key)
+        if slot is not None:
             self._rows.move_to_end(key)
-            return r
+            return slot
+        if not self._free_slots:
+            if len(self._rows) < self.max_rows:
+                self._grow()
+            else:
+                self._free_slots.append(self._rows.popitem(last=False)[1])
+        slot = self._free_slots.pop()
         ids = fsm.allowed_tokens(state)
         ids = ids[ids < self.vocab_size]
         r = torch.ones(self.vocab_size, dtype=torch.bool)
         r[ids] = False
-        r = r.to(self.device)
-        self._rows[key] = r
-        if len(self._rows) > self.max_rows:
-            self._rows.popitem(last=False)
-        return r
+        self._slab[slot] = r.to(self.device)
+        self._rows[key] = slot
+        self.built += 1
+        return slot
+
+    def row(self, fsm: TokenFSM, state: int) -> torch.Tensor:
+        return self._slab[self._slot(fsm, state)]
 
     def batch(self, rows: list[tuple[TokenFSM, int] | None]) -> torch.Tensor:
         """[bs, vocab] bool, True where a token is forbidden: for each constrained row (fsm,
         state) every token outside the FSM's allowed set; unconstrained rows (None) forbid
         nothing."""
-        return torch.stack([self._free if x is None else self.row(*x) for x in rows])
+        keys = {(x[0].serial, x[1]) for x in rows if x is not None}
+        if len(keys) > self.max_rows:  # more states at once than the cache holds
+            return torch.stack([torch.zeros(self.vocab_size, dtype=torch.bool,
+                                            device=self.device) if x is None
+                                else self.row(*x).clone() for x in rows])
+        index = [0 if x is None else self._slot(*x) for x in rows]
+        return self._slab.index_select(0, torch.tensor(index, dtype=torch.int64).to(self.device))
 
 
 def constrained_forbidden(rows: list[tuple[TokenFSM, int] | None], vocab_size: int,

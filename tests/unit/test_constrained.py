@@ -195,8 +195,8 @@ def test_forbidden_rows_cache(tok: Any, vocab: Any) -> None:
     v = 49152
     rows = ForbiddenRows(v, torch.device("cpu"), budget_bytes=16 * v)
     assert rows.max_rows == 16
-    a = rows.row(digits, digits.initial_state)
-    assert rows.row(digits, digits.initial_state) is a  # cached
+    a = rows.row(digits, digits.initial_state).clone()
+    assert torch.equal(rows.row(digits, digits.initial_state), a) and rows.built == 1  # cached
     b = rows.row(letters, letters.initial_state)
     assert not torch.equal(a, b)
     assert set(torch.nonzero(~a).flatten().tolist()) == \
@@ -216,3 +216,13 @@ def test_forbidden_rows_cache(tok: Any, vocab: Any) -> None:
     assert (counted.serial, seen[-1]) in rows._rows
     assert (counted.serial, seen[0]) not in rows._rows
     assert (digits.serial, digits.initial_state) not in rows._rows
+    # every cached row still holds its own state's mask after the slots were reused
+    for s in seen[-16:]:
+        want = torch.ones(v, dtype=torch.bool)
+        want[counted.allowed_tokens(s)] = False
+        assert torch.equal(rows.row(counted, s), want), s
+    # a batch with more distinct states than the cache holds is still right
+    many = rows.batch([(counted, s) for s in seen] + [None])
+    for i, s in enumerate(seen):
+        assert torch.equal(many[i], rows.row(counted, s)), s
+    assert not many[-1].any()
