@@ -20,7 +20,7 @@ def req(prompt: list[int], out: list[int] | None = None, **params: object) -> Re
 
 def info_for(reqs: list[Req], vocab: int, stop_ids: list[set[int]] | None = None) -> SamplingBatchInfo:
     by_req = {id(r): s for r, s in zip(reqs, stop_ids or [set() for _ in reqs])}
-    return build_sampling_info(reqs, vocab, CPU, lambda r: by_req[id(r)])
+    return build_sampling_info(reqs, vocab, CPU, lambda r: by_req[id(r)])[0]
 
 
 def manual_info(bs: int, vocab: int, *, temperature: float = 1.0, top_p: float = 1.0,
@@ -345,3 +345,22 @@ def test_min_new_tokens_forbids_stop_ids_until_reached() -> None:
     # once reached, nothing is forbidden
     done = info_for([req([1], [1, 2], min_new_tokens=2)], vocab, [{5}])
     assert done.forbidden is None
+
+
+def test_static_rows_reused_only_for_the_same_requests_in_order() -> None:
+    a = req([1], temperature=0.5, top_p=0.9, top_k=5)
+    b = req([2], temperature=0.0, min_p=0.2, seed=7)
+    c = req([3], temperature=1.0)
+    info1, rows1 = build_sampling_info([a, b], 50, CPU, lambda r: set())
+    a.output_ids.append(4)  # the per-step part changes, the parameters do not
+    info2, rows2 = build_sampling_info([a, b], 50, CPU, lambda r: set(), rows1)
+    assert rows2 is rows1 and info2.temperatures.data_ptr() == info1.temperatures.data_ptr()
+    assert info2.positions == [1, 0] and info2.seeds == [None, 7]
+    for batch in ([b, a], [a, b, c], [a]):  # another order, another request, one fewer
+        info, rows = build_sampling_info(batch, 50, CPU, lambda r: set(), rows1)
+        assert rows is not rows1
+        fresh = build_sampling_info(batch, 50, CPU, lambda r: set())[0]
+        for name in ("temperatures", "top_ps", "top_ks", "min_ps"):
+            assert torch.equal(getattr(info, name), getattr(fresh, name)), name
+        assert (info.all_greedy, info.need_top_p_k, info.need_min_p, info.seeds) == \
+            (fresh.all_greedy, fresh.need_top_p_k, fresh.need_min_p, fresh.seeds)

@@ -101,28 +101,57 @@ class Req:
                 and not self.prompt_logprobs_done)
 
 
+@dataclass
+class SamplingRows:
+    """The per-row sampling parameters of one batch that never change while its requests stay
+    the same: the four parameter rows on the device, the batch flags and the seeds."""
+
+    reqs: list[Req]  # held, so that identity comparison is safe (no id reuse while cached)
+    rows: torch.Tensor  # [4, bs] float32 on the device: temperature, top-p, top-k, min-p
+    top_ks: torch.Tensor  # [bs] int64 on the device
+    all_greedy: bool
+    need_top_p_k: bool
+    need_min_p: bool
+    seeds: list[int | None]
+
+    @classmethod
+    def build(cls, reqs: list[Req], vocab_size: int, device: torch.device) -> "SamplingRows":
+        ps = [r.sampling_params for r in reqs]
+        temps = [p.temperature if not p.is_greedy else 0.0 for p in ps]
+        top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
+        # One host-to-device copy for the four per-row parameters (top-k fits float32 exactly:
+        # vocabularies are far below 2**24).
+        rows = torch.tensor([temps, [p.top_p for p in ps], top_ks, [p.min_p for p in ps]],
+                            dtype=torch.float32).to(device, non_blocking=True)
+        return cls(list(reqs), rows, rows[2].to(torch.int64), all(t == 0.0 for t in temps),
+                   any(p.top_p < 1.0 or 0 < p.top_k < vocab_size for p in ps),
+                   any(p.min_p > 0 for p in ps), [p.seed for p in ps])
+
+    def same_batch(self, reqs: list[Req]) -> bool:
+        return len(reqs) == len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs))
+
+
 def build_sampling_info(
     reqs: list[Req], vocab_size: int, device: torch.device,
-    stop_ids: Callable[[Req], set[int]]
-) -> SamplingBatchInfo:
+    stop_ids: Callable[[Req], set[int]], cached: SamplingRows | None = None,
+) -> tuple[SamplingBatchInfo, SamplingRows]:
     """Per-row sampling tensors for `reqs` (stop_ids(r): the tokens min_new_tokens keeps out of
-    r's output; asked only of rows below their min_new_tokens)."""
+    r's output; asked only of rows below their min_new_tokens), and the static part to pass back
+    as `cached` next step: reused while the batch holds the same requests in the same order, so
+    a decode round of an unchanged batch builds and copies only what changes per step."""
+    static = cached if cached is not None and cached.same_batch(reqs) else \
+        SamplingRows.build(reqs, vocab_size, device)
     ps = [r.sampling_params for r in reqs]
-    temps = [p.temperature if not p.is_greedy else 0.0 for p in ps]
-    top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
-    # One host-to-device copy for the four per-row parameters (top-k fits float32 exactly:
-    # vocabularies are far below 2**24).
-    rows = torch.tensor([temps, [p.top_p for p in ps], top_ks, [p.min_p for p in ps]],
-                        dtype=torch.float32).to(device, non_blocking=True)
+    rows = static.rows
     info = SamplingBatchInfo(
         temperatures=rows[0],
         top_ps=rows[1],
-        top_ks=rows[2].to(torch.int64),
+        top_ks=static.top_ks,
         min_ps=rows[3],
-        all_greedy=all(t == 0.0 for t in temps),
-        need_top_p_k=any(p.top_p < 1.0 or 0 < p.top_k < vocab_size for p in ps),
-        need_min_p=any(p.min_p > 0 for p in ps),
-        seeds=[p.seed for p in ps],
+        all_greedy=static.all_greedy,
+        need_top_p_k=static.need_top_p_k,
+        need_min_p=static.need_min_p,
+        seeds=static.seeds,
         positions=[len(r.output_ids) for r in reqs],
     )
     if any(p.uses_penalties for p in ps):
@@ -140,7 +169,7 @@ def build_sampling_info(
             idx = torch.tensor(pairs, dtype=torch.int64).to(device, non_blocking=True)
             mask[idx[:, 0], idx[:, 1]] = True
         info.forbidden = mask
-    return info
+    return info, static
 
 
 def _add_penalties(info: SamplingBatchInfo, reqs: list[Req], vocab: int,

@@ -36,7 +36,7 @@ from srt.managers.io_struct import (
     TokenOut,
 )
 from srt.managers.router.image_pads import ReqImage
-from srt.managers.router.infer_batch import Req, build_sampling_info
+from srt.managers.router.infer_batch import Req, SamplingRows, build_sampling_info
 from srt.managers.router.logprob_step import StepLogprobs, prefix_limit
 from srt.managers.router.model_runner import ModelRunner
 from srt.managers.router.radix_cache import RadixCache
@@ -128,6 +128,7 @@ class ModelRpcServer:
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self.step_inputs = StepInputBuilder(self.runner.device)
+        self.sampling_rows: SamplingRows | None = None  # the last batch's, reused while equal
         self._reset_stats()
         # On a GPU the first fills compile kernels; on the CPU there is nothing to warm up.
         if not args.skip_warmup and self.runner.device.type == "cuda":
@@ -663,7 +664,8 @@ class ModelRpcServer:
         self.step_timer.mark("prepare")
         # Sampling tensors first: their host-to-device copies then queue ahead of the forward
         # instead of waiting for it to finish.
-        info = build_sampling_info(batch, self.config.vocab_size, dev, self._stop_ids)
+        info, self.sampling_rows = build_sampling_info(
+            batch, self.config.vocab_size, dev, self._stop_ids, self.sampling_rows)
         self.step_timer.mark("sample_prep")
         logits = self.runner.forward(fb)
         self.step_timer.mark("forward")
