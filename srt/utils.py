@@ -30,9 +30,6 @@ def configure_logging(level: str, process_name: str) -> None:
 
 
 _PR_SET_NAME = 15
-_M_MMAP_THRESHOLD = -3
-# Allocations from this size on are mapped on their own and go back to the OS when freed.
-MMAP_THRESHOLD_BYTES = 256 * 1024
 
 
 def become_child_process(parent_pid: int, name: str = "") -> None:
@@ -52,10 +49,6 @@ def become_child_process(parent_pid: int, name: str = "") -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if name:  # what `ps -o comm` and `top` show (at most 15 bytes)
             libc.prctl(_PR_SET_NAME, ("srt-" + name.replace(" ", "-")).encode()[:15])
-        # A fixed mmap threshold: glibc raises its own after large blocks are freed, so tensors
-        # of every new size then come from the heap and stay there (a CPU model process grew
-        # 10% over an hour of mixed batch shapes before levelling off).
-        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
     def watch() -> None:
         while True:
