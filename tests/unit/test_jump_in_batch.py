@@ -115,13 +115,12 @@ def test_outputs_valid_and_jumps_taken(results: dict[str, Any], smollm2_tokenize
 
 
 def test_fewer_fill_rounds_than_through_the_queue(results: dict[str, Any]) -> None:
-    """Through the queue, jumps after the first fill need fills of their own; inside the batch
-    they need none."""
+    """Through the queue, every jump after a request's first fill admits it again; inside the
+    batch only the retracted request is admitted twice. (Counted in admissions, not rounds:
+    when the FSM compiles finish decides how admissions group into rounds.)"""
     batch, queue = results["batch"][1], results["queue"][1]
-    # the constrained requests' first fill, the free ones' and the retracted request's
-    assert batch["decode_step_times"]["fills"]["rounds"] <= 3
-    assert (queue["decode_step_times"]["fills"]["rounds"]
-            > batch["decode_step_times"]["fills"]["rounds"])
+    assert batch["decode_step_times"]["fills"]["requests"] == len(results["batch"][0]) + 1
+    assert queue["decode_step_times"]["fills"]["requests"] > len(results["queue"][0]) + 1
     assert queue["jump_forward_batch_steps"] == 0
     assert batch["jump_forwards"] == queue["jump_forwards"]
     assert results["queue"][2]
