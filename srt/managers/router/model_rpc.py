@@ -579,8 +579,9 @@ class ModelRpcServer:
     def _ensure_decode_memory(self, outs: list[TokenOut]) -> None:
         """Make room for the next step's tokens (one per running request, more after a jump):
         evict, then retract."""
-        def need() -> int:
-            return sum(r.step_input_len for r in self.running)
+        def need() -> int:  # one token each, plus the extra ids of requests that jumped
+            return len(self.running) + sum(r.step_input_len - 1 for r in self.running
+                                           if r.kv_valid is not None)
 
         free = self.pool.available_size()
         if free >= need():

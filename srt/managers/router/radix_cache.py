@@ -78,8 +78,9 @@ class TreeNode:
         return f"TreeNode(id={self.id}, key={self.key}, lock_ref={self.lock_ref})"
 
 
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of two token lists.
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (lists both: a list never equals a
+    tuple, so mixed types would defeat the slice comparisons).
 
     Slice comparisons run in C: the whole-overlap check answers the common case (a cached
     prefix matched to its end) at once, and a mismatch is narrowed by bisection down to a short
@@ -132,6 +133,7 @@ class RadixCache:
         """
         if self.disable:
             return _EMPTY.clone(), self.root_node
+        key = key if isinstance(key, list) else list(key)
         now = next(self._clock)
         node = self.root_node
         values: list[torch.Tensor] = []
@@ -162,6 +164,7 @@ class RadixCache:
             if len(slots):
                 self.pool.free(slots.to(torch.int64))
             return 0
+        key = key if isinstance(key, list) else list(key)
         now = next(self._clock)
         node = self.root_node
         pos = 0
