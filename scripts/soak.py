@@ -355,10 +355,15 @@ class Soak:
         while not stop.is_set():
             by_proc = server_tree_rss(self.server_pid) if self.server_pid else {}
             if by_proc:
+                try:  # what malloc holds in the model process (free_mb: pages not given back)
+                    heap = requests.get(self.url + "/get_server_info", timeout=30).json()["heap"]
+                except (requests.RequestException, ValueError, KeyError):
+                    heap = None
                 self.rss.append({"t": round(time.monotonic() - self.t0, 1),
                                  "total_mb": round(sum(by_proc.values()) / 2**20, 1),
                                  "by_process_mb": {k: round(v / 2**20, 1)
-                                                   for k, v in by_proc.items()}})
+                                                   for k, v in by_proc.items()},
+                                 "model_heap": heap})
             stop.wait(self.rss_interval)
 
     def run(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import time
 from typing import Any
 
 import pytest
@@ -404,6 +405,13 @@ def test_get_server_info(server: Any) -> None:
     assert info["dtype"] == "float32"
     assert info["random_seed"] == 1234
     assert isinstance(info["model_path"], str) and info["model_path"]
+    # the model process gives its free heap pages back once idle after work (glibc)
+    deadline = time.monotonic() + 30
+    while info["heap"]["trims"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        info = server.wait_idle()
+    assert info["heap"]["trims"] >= 1, info["heap"]
+    assert 0 <= info["heap"]["free_mb"] <= info["heap"]["arena_mb"], info["heap"]
 
 
 def test_flush_cache_when_idle(server: Any) -> None:

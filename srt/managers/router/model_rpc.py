@@ -19,6 +19,7 @@ import torch
 from srt.constrained.fsm import FSMCache, constraint_regex
 from srt.constrained.jump_forward import JumpForward
 from srt.constrained.mask import ForbiddenRows, merge_forbidden
+from srt.heap import HeapTrimmer
 from srt.layers import parallel_state
 from srt.layers.forward_batch import ForwardBatch, ForwardMode, ImageSpanInput
 from srt.layers.sampler import sample
@@ -129,6 +130,7 @@ class ModelRpcServer:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self.step_inputs = StepInputBuilder(self.runner.device)
         self.sampling_rows: SamplingRows | None = None  # the last batch's, reused while equal
+        self.heap = HeapTrimmer()  # the process loop trims when idle and every 30 s of work
         self._reset_stats()
         # On a GPU the first fills compile kernels; on the CPU there is nothing to warm up.
         if not args.skip_warmup and self.runner.device.type == "cuda":
@@ -343,6 +345,7 @@ class ModelRpcServer:
                 "gb": round(info.kv_gb, 4),
             },
             "decode_step_times": self.step_timer.snapshot(),
+            "heap": self.heap.stats(),
         }
 
     # ------------------------------------------------------------------ fill
@@ -956,10 +959,15 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> 
             inp = inbox.recv(IDLE_POLL_MS)
             heartbeat.beat()  # idle, or a round done: progress either way
             if inp is None:
+                if not (server.running or server.waiting):
+                    server.heap.idle()
                 continue
-            if inp.reqs or server.running or server.waiting:
+            work = bool(inp.reqs or server.running or server.waiting)
+            if work:
                 fault.tick()
             out = server.step(inp)
+            if work:
+                server.heap.busy()
             if outbox is not None:
                 outbox.send(out)
 
