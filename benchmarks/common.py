@@ -95,6 +95,8 @@ def add_engine_args(p: Any) -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest captured decode batch (default: the server's)")
     p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--enable-overlap-schedule", action="store_true",
+                   help="launch each decode step before the last one's ids reach the host")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="bfloat16",
                    help="float32 is faster for a CPU smoke test")
@@ -111,7 +113,8 @@ def engine_kwargs(a: Any) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
         load_format="dummy", dtype=a.dtype, device=a.device, tp_size=a.tp_size,
         attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph,
-        disable_radix_cache=a.disable_radix_cache, random_seed=0, log_level=a.log_level)
+        disable_radix_cache=a.disable_radix_cache, random_seed=0, log_level=a.log_level,
+        enable_overlap_schedule=a.enable_overlap_schedule)
     if a.cuda_graph_max_bs is not None:
         kw["cuda_graph_max_bs"] = a.cuda_graph_max_bs
     if a.max_total_tokens is not None:

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # On a machine with one GPU: the performance benchmarks, random weights, results as JSON (and
 # each run's log) in $OUT. Charts are drawn elsewhere: python3 benchmarks/plot_results.py $OUT
-#   STAGES="latency offline prefix serving" (default all; each stage is under its own timeout,
+#   STAGES="latency offline prefix serving" (default these; each stage is under its own timeout,
 #   so a runner that limits one command to 10 minutes can take one or two stages per call)
 #   SHAPES="smollm2-135m llama3-8b"   BACKEND=triton|flashinfer   LOG_LEVEL=info
+#   HF=1 (default; HF= turns it off): the offline stage also runs transformers' generate_batch
 #   SERVING_SHAPE=smollm2-135m  SERVING_CONC="16 64"  SERVING_RATES="8 32"
 #   SMOKE=1: tiny sizes on the same code paths (a few seconds each after start-up)
+# More stages, on request: tests (the gpu-marked tests in TESTS), moe (bench_moe.py --sweep),
+#   constrained (bench_constrained.py on the SmolLM2 shape; TOKENIZER_DIR holds SmolLM2's
+#   tokenizer files), profile_fill (W1's fill rounds under the profilers, per shape)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/latest}
 STAGES=${STAGES:-latency offline prefix serving}
+HF=${HF-1}
 SHAPES=${SHAPES:-smollm2-135m llama3-8b}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
@@ -49,7 +54,7 @@ for stage in $STAGES; do
     offline)  # W1, host ms per decode step, and transformers' generate_batch on 64 requests
       for shape in $SHAPES; do
         run "offline_$shape" "${OFF_TIMEOUT:-480}" python3 benchmarks/bench_offline.py \
-          --shape "$shape" --compare-hf "${COMMON[@]}" "${OFF_ARGS[@]}" \
+          --shape "$shape" ${HF:+--compare-hf} "${COMMON[@]}" "${OFF_ARGS[@]}" \
           --out "$OUT/offline_$shape.json"
       done
       ;;
@@ -68,6 +73,24 @@ for stage in $STAGES; do
       run "serving_rate_$shape" "${SRV_TIMEOUT:-540}" python3 benchmarks/bench_serving.py \
         --launch --shape "$shape" --request-rate ${SERVING_RATES:-8 32} \
         "${COMMON[@]}" "${SRV_ARGS[@]}" --out "$OUT/serving_rate_$shape.json"
+      ;;
+    tests)
+      run gpu_tests "${TEST_TIMEOUT:-300}" python3 -m pytest -q -x -m gpu -p no:cacheprovider \
+        ${TESTS:-tests/kernels tests/gpu}
+      ;;
+    moe)
+      run moe "${MOE_TIMEOUT:-300}" python3 benchmarks/bench_moe.py --sweep --out "$OUT/moe.json"
+      ;;
+    constrained)
+      run constrained "${CON_TIMEOUT:-300}" python3 benchmarks/bench_constrained.py \
+        --shape smollm2-135m --tokenizer-dir "${TOKENIZER_DIR:?}" "${COMMON[@]}" \
+        --out "$OUT/constrained_smollm2-135m.json"
+      ;;
+    profile_fill)
+      for shape in $SHAPES; do
+        run "profile_fill_$shape" "${PROF_TIMEOUT:-240}" python3 benchmarks/profile_decode.py \
+          --shape "$shape" --w1 --batch 256 --steps 5 --profile-fill "${COMMON[@]}"
+      done
       ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -9,12 +9,36 @@ size, so nothing waits for the host; padded rows point past the last pair and ar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-BLOCK_M = 16
+BLOCK_M = 16  # the default row block (pairs of one expert per program)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes and launch settings of the grouped GEMM (block_m also pads each expert's run)."""
+
+    block_m: int = BLOCK_M
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def tile_config(num_pairs: int, num_experts: int) -> TileConfig:
+    """Small row blocks while each expert gets few pairs (decode: the weights are read once per
+    row block, so padding rows cost bandwidth), larger ones once the GEMMs are compute-bound."""
+    per_expert = num_pairs / max(1, num_experts)
+    if per_expert <= 16:
+        return TileConfig(16, 64, 128, 4, 4)
+    if per_expert <= 96:
+        return TileConfig(32, 64, 64, 4, 4)
+    return TileConfig(64, 128, 64, 8, 3)
 
 
 @triton.jit
@@ -28,6 +52,10 @@ def _grouped_gemm_kernel(
     """c[pair] = a[pair // A_ROW_DIV] @ w[expert of the block]^T (times weight[pair])."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    # Each expert's run starts with real pairs, so a block whose first entry is padding holds
+    # only padding: skip it rather than read an expert's weights for nothing.
+    if tl.load(sorted_pairs_ptr + pid_m * BLOCK_M) >= num_pairs:
+        return
     expert = tl.load(block_expert_ptr + pid_m)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_pairs_ptr + offs_m)
@@ -85,37 +113,40 @@ def align_pairs_by_expert(
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, weights: torch.Tensor,
                   sorted_pairs: torch.Tensor, block_expert: torch.Tensor, a_row_div: int,
-                  mul_weight: bool) -> None:
+                  mul_weight: bool, cfg: TileConfig) -> None:
     num_pairs = c.shape[0]
     n, k = w.shape[1], w.shape[2]
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    block_n = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, w, c, weights, sorted_pairs, block_expert, num_pairs, n, k,
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
         A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, IEEE=a.dtype == torch.float32,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def fused_moe_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor, out: torch.Tensor | None = None,
+    topk_ids: torch.Tensor, out: torch.Tensor | None = None, cfg: TileConfig | None = None,
 ) -> torch.Tensor:
-    """Same contract as srt.layers.moe.moe_forward_torch; writes into `out` when given."""
+    """Same contract as srt.layers.moe.moe_forward_torch; writes into `out` when given.
+    `cfg` overrides the tile sizes `tile_config` picks from the shapes."""
     num_tokens, top_k = topk_ids.shape
     hidden = x.shape[1]
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, w13.shape[0])
     num_pairs = num_tokens * top_k
+    cfg = cfg or tile_config(num_pairs, w13.shape[0])
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, w13.shape[0], cfg.block_m)
     weights = topk_weights.reshape(-1).float().contiguous()
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, weights, sorted_pairs, block_expert, top_k, False)
+    _grouped_gemm(x, w13, gate_up, weights, sorted_pairs, block_expert, top_k, False, cfg)
     gate, up = gate_up.chunk(2, dim=-1)
     act = (F.silu(gate) * up).contiguous()
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, down, weights, sorted_pairs, block_expert, 1, True)
+    _grouped_gemm(act, w2, down, weights, sorted_pairs, block_expert, 1, True, cfg)
     result = down.view(num_tokens, top_k, hidden).sum(dim=1)
     if out is None:
         return result

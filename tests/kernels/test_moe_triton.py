@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from srt.layers.moe import moe_forward_torch, route_topk  # noqa: E402
-from srt.layers.moe_triton import align_pairs_by_expert, fused_moe_triton  # noqa: E402
+from srt.layers.moe_triton import (  # noqa: E402
+    TileConfig, align_pairs_by_expert, fused_moe_triton, tile_config)
 
 
 def _case(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
@@ -33,11 +34,11 @@ def _case(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype:
 
 
 def _check(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
-           device: str, seed: int, limit: float) -> None:
+           device: str, seed: int, limit: float, cfg: TileConfig | None = None) -> None:
     x, w13, w2, weights, ids = _case(tokens, experts, top_k, hidden, inter, dtype, device, seed)
     ref = moe_forward_torch(x.double(), w13.double(), w2.double(), weights, ids)
     out = torch.full_like(x, float("nan"))
-    fused_moe_triton(x, w13, w2, weights, ids, out=out)
+    fused_moe_triton(x, w13, w2, weights, ids, out=out, cfg=cfg)
     assert not out.isnan().any()
     rel = (out.double() - ref).abs().max() / ref.abs().max()
     assert rel < limit, rel
@@ -63,8 +64,23 @@ def test_fused_moe_matches_torch_small(tokens: int, experts: int, top_k: int, hi
     _check(tokens, experts, top_k, hidden, inter, torch.float32, device, tokens, 1e-3)
 
 
+@pytest.mark.parametrize("cfg", [TileConfig(16, 64, 128, 4, 4), TileConfig(32, 64, 64, 4, 4),
+                                 TileConfig(64, 128, 64, 8, 3)])
+def test_fused_moe_every_tile_config(cfg: TileConfig) -> None:
+    """Each row-block size `tile_config` picks (padding, skipped blocks, masked edges)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _check(45, 4, 2, 48, 40, torch.float32, device, 7, 1e-3, cfg)
+
+
+def test_tile_config_grows_with_pairs_per_expert() -> None:
+    sizes = [tile_config(p, 8).block_m for p in (2, 128, 512, 8192)]
+    assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 64
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 64, 1024])
-def test_fused_moe_matches_torch_real_size(tokens: int) -> None:
-    """Mixtral-8x7B's expert shapes at tp 8 (hidden 4096, intermediate 14336 / 8), bf16."""
-    _check(tokens, 8, 2, 4096, 1792, torch.bfloat16, "cuda", tokens, 1e-2)
+@pytest.mark.parametrize("inter", [14336, 1792])
+@pytest.mark.parametrize("tokens", [1, 16, 64, 1024, 4096])
+def test_fused_moe_matches_torch_real_size(tokens: int, inter: int) -> None:
+    """Mixtral-8x7B's experts (8, top 2, hidden 4096, intermediate 14336; 1792 = its share at
+    tp 8), bf16."""
+    _check(tokens, 8, 2, 4096, inter, torch.bfloat16, "cuda", tokens, 1e-2)

@@ -1,0 +1,87 @@
+"""The fused Triton MoE kernel against the torch expert loop and against its floors.
+
+    python3 benchmarks/bench_moe.py                      # Mixtral-8x7B experts, bf16, on a GPU
+    python3 benchmarks/bench_moe.py --sweep --out moe.json
+    python3 benchmarks/bench_moe.py --hidden 64 --inter 96 --tokens 1 16   # CPU (interpreter)
+
+For each token count: the routing of random router logits (top 2 of 8, renormalized), the time
+of `fused_moe_triton` with the tile sizes it picks, of `moe_forward_torch` (one pair of matmuls
+per active expert), and the floor: max(bytes of the active experts' weights / copy bandwidth,
+FLOPs / matmul rate), both measured in the same run. With `--sweep`, every tile configuration
+of a small grid is timed too and the best is reported beside the default's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+from benchmarks.common import (  # noqa: E402
+    copy_bandwidth, cuda_time_ms, default_device, hardware, matmul_rate, print_table, write_json)
+from srt.layers.moe import moe_forward_torch, route_topk  # noqa: E402
+from srt.layers.moe_triton import TileConfig, fused_moe_triton, tile_config  # noqa: E402
+
+SWEEP = [TileConfig(m, n, k, w, s) for m in (16, 32, 64, 128)
+         for n, k in ((64, 64), (64, 128), (128, 64)) for w, s in ((4, 3), (4, 4), (8, 3))]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024, 4096])
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--inter", type=int, default=14336, help="intermediate size per rank")
+    p.add_argument("--sweep", action="store_true", help="also time a grid of tile configs")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    device = default_device()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    bw, rate = copy_bandwidth(device), matmul_rate(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    e, h, i = a.experts, a.hidden, a.inter
+    w13 = (torch.randn(e, 2 * i, h, generator=g, device=device) * h**-0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g, device=device) * i**-0.5).to(dtype)
+    expert_bytes = 3 * h * i * w13.element_size()
+    rows = []
+    for t in a.tokens:
+        x = torch.randn(t, h, generator=g, device=device).to(dtype)
+        weights, ids = route_topk(torch.randn(t, e, generator=g, device=device), a.top_k)
+        active = int(ids.unique().numel())
+        bytes_ms = active * expert_bytes / bw * 1e3
+        flops_ms = 2 * t * a.top_k * 3 * h * i / rate * 1e3
+        floor = max(bytes_ms, flops_ms)
+        cfg = tile_config(t * a.top_k, e)
+        fused = cuda_time_ms(lambda: fused_moe_triton(x, w13, w2, weights, ids))
+        ref = cuda_time_ms(lambda: moe_forward_torch(x, w13, w2, weights, ids))
+        row = {"tokens": t, "active_experts": active, "floor_ms": floor,
+               "bound": "bytes" if bytes_ms >= flops_ms else "flops", "triton_ms": fused,
+               "torch_ms": ref, "floor_pct": 100 * floor / fused, "vs_torch": ref / fused,
+               "config": _name(cfg)}
+        if a.sweep:
+            best = min(((cuda_time_ms(lambda c=c: fused_moe_triton(x, w13, w2, weights, ids,
+                                                                    cfg=c), warmup=2, iters=5),
+                         c) for c in SWEEP), key=lambda x: x[0])
+            row.update(best_ms=best[0], best_config=_name(best[1]))
+        rows.append(row)
+        print(f"tokens={t} done", flush=True)
+    cols = ["tokens", "active_experts", "floor_ms", "bound", "triton_ms", "torch_ms",
+            "floor_pct", "vs_torch", "config"] + (["best_ms", "best_config"] if a.sweep else [])
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, matmul {rate / 1e12:.0f} TFLOP/s; experts "
+          f"{e} x top {a.top_k}, hidden {h}, intermediate {i}, {str(dtype).split('.')[-1]}")
+    print_table(rows, cols)
+    write_json(a.out, {"argv": vars(a), "hardware": hardware(), "copy_bandwidth": bw,
+                       "matmul_rate": rate, "rows": rows})
+
+
+def _name(c: TileConfig) -> str:
+    return f"m{c.block_m} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
+
+
+if __name__ == "__main__":
+    main()
