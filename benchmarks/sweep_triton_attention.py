@@ -1,6 +1,9 @@
 """Sweep the Triton attention kernels' tunables on the cases the targets name (GPU only).
 
     python benchmarks/sweep_triton_attention.py [--out sweep.json]
+    # SmolLM2's heads (9 / 3, d 64), decode only, at batch 256 x 768 tokens
+    python benchmarks/sweep_triton_attention.py --heads 9 --kv-heads 3 --head-dim 64 \
+      --decode 256x768 --no-extend
 
 Decode: batch 64 x context 2048 and batch 1 x context 8192. Extend: 512 new tokens over a
 4096-token prefix at batch 1 and 8. Times are CUDA-graph replays (kernel time, no launch
@@ -13,6 +16,7 @@ import argparse
 import itertools
 import json
 
+import benchmarks.bench_attention as ba
 import srt.layers.attention.triton_ops.decode_attention as dec
 import srt.layers.attention.triton_ops.extend_attention as ext
 from benchmarks.bench_attention import Case, copy_bandwidth, graph_time_ms, make_runner
@@ -23,11 +27,19 @@ from srt.layers.forward_batch import ForwardMode
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="sweep_triton_attention.json")
+    ap.add_argument("--heads", type=int, default=ba.H)
+    ap.add_argument("--kv-heads", type=int, default=ba.HKV)
+    ap.add_argument("--head-dim", type=int, default=ba.D)
+    ap.add_argument("--decode", default="64x2048,1x8192", help="decode cases BATCHxCONTEXT,...")
+    ap.add_argument("--no-extend", action="store_true")
     a = ap.parse_args()
+    ba.H, ba.HKV, ba.D = a.heads, a.kv_heads, a.head_dim
     bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; heads {a.heads} / {a.kv_heads}, d {a.head_dim}",
+          flush=True)
     results = []
-    for bs, ctx in ((64, 2048), (1, 8192)):
+    decode_cases = [tuple(int(x) for x in c.split("x")) for c in a.decode.split(",") if c]
+    for bs, ctx in decode_cases:
         case = Case(ForwardMode.DECODE, bs, ctx - 1, 1)
         for block_n, stages, per_sm, min_tok, warps in itertools.product(
                 (32, 64), (2, 3, 4), (4, 8, 16), (32, 64, 128), (4, 8)):
@@ -43,7 +55,7 @@ def main() -> None:
                             "min_tokens_per_split": min_tok, "warps": warps, "ms": ms,
                             "frac_of_copy": case.bytes / (ms / 1e3) / bw})
         del case
-    for bs in (1, 8):
+    for bs in () if a.no_extend else (1, 8):
         case = Case(ForwardMode.EXTEND, bs, 4096, 512)
         backend = create_attention_backend("triton", runner=make_runner(256))
         for block_m, block_n, warps, stages in itertools.product(

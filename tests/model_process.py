@@ -10,11 +10,12 @@ from srt.server_args import ServerArgs
 
 
 def cpu_model_server(path: str, dummy: bool = False, **args: Any) -> ModelRpcServer:
-    """Rank 0 of a float32 CPU server with torch attention, seed 0 and no warm-up."""
+    """Rank 0 of a float32 CPU server (torch attention unless `attention_backend` is given),
+    seed 0 and no warm-up."""
+    args = {"attention_backend": "torch", **args}
     return ModelRpcServer(ServerArgs(
         model_path=path, tokenizer_path=path, load_format="dummy" if dummy else "auto",
-        dtype="float32", device="cpu", attention_backend="torch", random_seed=0,
-        skip_warmup=True, **args), 0, None)
+        dtype="float32", device="cpu", random_seed=0, skip_warmup=True, **args), 0, None)
 
 
 def serve_all(server: ModelRpcServer, reqs: list[TokenizedGenerateReq],

@@ -71,6 +71,9 @@ class ForwardBatch:
     prompt_logprobs: "PromptLogprobRequest | None" = None
     # EXTEND/PREFILL only: image features to write over new tokens' embeddings (None: no image).
     images: list[ImageSpanInput] | None = None
+    # DECODE only: the first shared_prefix_len context positions of every request are the same
+    # pool slots (a prefix they all matched in the radix cache); 0 when none or not computed.
+    shared_prefix_len: int = 0
 
 
 _current: list[ForwardBatch] = []

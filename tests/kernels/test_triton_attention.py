@@ -278,6 +278,67 @@ def test_decode_default_block_and_mha_and_large_group(dtype: torch.dtype) -> Non
     assert run_decode_case([70, 3], 32, 1, 64, dtype, 2, seed=4) < TOL[dtype]
 
 
+def run_shared_prefix_case(seq_lens: list[int], shared: int, heads: int, kv_heads: int, d: int,
+                           dtype: torch.dtype, splits: int, shared_splits: int, seed: int,
+                           **blocks: int) -> float:
+    """Every request's first `shared` positions are request 0's slots (one cached prefix)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = make_pool(seq_lens, seq_lens, kv_heads, d, dtype, g)
+    rows = pool.rows.tolist()
+    for i in range(1, len(seq_lens)):
+        pool.req_to_token[rows[i], :shared] = pool.req_to_token[rows[0], :shared]
+        pool.ctx_k[i][:shared] = pool.ctx_k[0][:shared]
+        pool.ctx_v[i][:shared] = pool.ctx_v[0][:shared]
+    q, _, _ = fused_qkv(len(seq_lens), heads, kv_heads, d, dtype, g)
+    scale = d ** -0.5
+    ws = torch.full((decode_workspace_numel(len(seq_lens), heads, d, splits + shared_splits),),
+                    NAN, device=DEV)
+    o = torch.full(q.shape, NAN, dtype=dtype, device=DEV)
+    decode_attention_fwd(q, pool.k_buffer, pool.v_buffer, o, pool.req_to_token, pool.rows,
+                         ivec(seq_lens), scale, splits, ws, shared_len=shared,
+                         shared_splits=shared_splits, **blocks)
+    want = torch.cat([reference(q[i:i + 1], pool.ctx_k[i], pool.ctx_v[i], n - 1, scale)
+                      for i, n in enumerate(seq_lens)])
+    plain = torch.full(q.shape, NAN, dtype=dtype, device=DEV)
+    decode_attention_fwd(q, pool.k_buffer, pool.v_buffer, plain, pool.req_to_token, pool.rows,
+                         ivec(seq_lens), scale, splits, **blocks)
+    assert rel_err(o, plain.double()) < TOL[dtype]
+    return rel_err(o, want)
+
+
+@pytest.mark.parametrize("shared,splits,shared_splits", [(1, 1, 1), (17, 3, 1), (40, 1, 4),
+                                                         (33, 8, 3)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_shared_prefix_matches_reference(dtype: torch.dtype, shared: int, splits: int,
+                                                shared_splits: int) -> None:
+    # the shortest request has one own position; more splits than positions in some cases
+    lens = [shared + 1, shared + 30, shared + 7, shared + 50, shared + 2]
+    err = run_shared_prefix_case(lens, shared, 4, 2, 64, dtype, splits, shared_splits,
+                                 seed=shared, block_n=SMALL_BLOCK_N)
+    assert err < TOL[dtype], err
+
+
+def test_decode_shared_prefix_many_row_blocks() -> None:
+    # 40 requests x a group of 4 = 160 query rows: three row blocks of the shared stage, the
+    # last one partial; head_dim 80 (padded to 128)
+    g = torch.Generator().manual_seed(1)
+    lens = [37 + int(x) for x in torch.randint(1, 20, (40,), generator=g)]
+    err = run_shared_prefix_case(lens, 37, 4, 1, 80, torch.float32, 2, 2, seed=2)
+    assert err < TOL[torch.float32], err
+
+
+def test_decode_shared_prefix_argument_checks() -> None:
+    with pytest.raises(ValueError):
+        run_shared_prefix_case([5, 6], 3, 4, 2, 64, torch.float32, 1, 0, seed=0)
+    with pytest.raises(ValueError):  # a workspace sized without the shared splits
+        g = torch.Generator().manual_seed(0)
+        pool = make_pool([5, 6], [5, 6], 2, 64, torch.float32, g)
+        q, _, _ = fused_qkv(2, 4, 2, 64, torch.float32, g)
+        decode_attention_fwd(q, pool.k_buffer, pool.v_buffer, torch.empty_like(q),
+                             pool.req_to_token, pool.rows, ivec([5, 6]), 0.1, 2,
+                             decode_workspace(2, 4, 64, 2, DEV), shared_len=3, shared_splits=1)
+
+
 def test_decode_workspace_checks() -> None:
     ws = decode_workspace(2, 4, 64, 3, DEV)
     assert ws.dtype == torch.float32 and ws.numel() == 2 * 4 * 3 * 65
@@ -453,6 +514,16 @@ def test_gpu_decode(splits: int | None) -> None:
     n = splits or choose_num_kv_splits(len(lens), GPU_KV_HEADS, max(lens))
     err = run_decode_case(lens, GPU_HEADS, GPU_KV_HEADS, GPU_D, torch.bfloat16, n, seed=6,
                           ref=reference_gpu)
+    assert err < TOL[torch.bfloat16], err
+
+
+@pytest.mark.gpu
+def test_gpu_decode_shared_prefix() -> None:
+    """64 requests behind one 2048-token prefix, 1-300 own tokens each, real head sizes."""
+    g = torch.Generator().manual_seed(8)
+    lens = [2048 + int(x) for x in torch.randint(1, 300, (64,), generator=g)]
+    err = run_shared_prefix_case(lens, 2048, GPU_HEADS, GPU_KV_HEADS, GPU_D, torch.bfloat16,
+                                 2, 4, seed=9)
     assert err < TOL[torch.bfloat16], err
 
 

@@ -2,7 +2,9 @@
 
 PREFILL (no request has a cached prefix): `context_attention_fwd` on this step's contiguous q/k/v.
 EXTEND: `extend_attention_fwd`, the prefix read from the pool through req_to_token.
-DECODE: `decode_attention_fwd`, split-K over the context, GQA groups in one program.
+DECODE: `decode_attention_fwd`, split-K over the context, GQA groups in one program; a prefix
+that every request of an eager batch shares (`ForwardBatch.shared_prefix_len`) is read once for
+the whole batch.
 
 Everything per step (device copies of the lengths, start offsets, the number of KV splits) is
 built once in `init_forward_metadata` from the ForwardBatch's host lists; the per-layer calls do no
@@ -25,7 +27,11 @@ from srt.layers.attention.triton_ops import (
     decode_workspace,
     extend_attention_fwd,
 )
-from srt.layers.attention.triton_ops.decode_attention import DECODE_MAX_KV_SPLITS, device_num_sms
+from srt.layers.attention.triton_ops.decode_attention import (
+    DECODE_MAX_KV_SPLITS,
+    DECODE_SHARED_BLOCK_M,
+    device_num_sms,
+)
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.radix_attention import RadixAttention
 
@@ -41,6 +47,13 @@ class TritonExtendMetadata:
 @dataclass
 class TritonDecodeMetadata:
     num_kv_splits: int
+    shared_len: int = 0  # > 0: positions read once for the whole batch (shared stage)
+    shared_splits: int = 0
+
+
+# A shared prefix is read once per batch when it saves at least this many token reads per
+# layer (the shared stage costs one more launch per layer).
+SHARED_PREFIX_MIN_SAVED_TOKENS = 4096
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -60,7 +73,8 @@ class TritonAttnBackend(AttentionBackend):
         need = max(
             bs * self._splits(bs, 1 << 30) for bs in range(1, self.max_bs + 1)
         )
-        self.workspace_splits = -(-need // self.max_bs)
+        # one more split per request for the shared-prefix stage
+        self.workspace_splits = -(-need // self.max_bs) + 1
         self.workspace = decode_workspace(
             self.max_bs, self.num_heads, self.head_dim, self.workspace_splits, self.device
         )
@@ -91,13 +105,27 @@ class TritonAttnBackend(AttentionBackend):
                 max_len_extend=max(extend, default=0),
             )
         else:
-            fb.attn_metadata = TritonDecodeMetadata(
-                num_kv_splits=self._splits(fb.batch_size, max(fb.seq_lens_cpu, default=1))
-            )
+            fb.attn_metadata = self._decode_metadata(fb)
+
+    def _decode_metadata(self, fb: ForwardBatch) -> TritonDecodeMetadata:
+        bs, shared = fb.batch_size, fb.shared_prefix_len
+        longest = max(fb.seq_lens_cpu, default=1)
+        if shared <= 0 or (bs - 1) * shared < SHARED_PREFIX_MIN_SAVED_TOKENS:
+            return TritonDecodeMetadata(num_kv_splits=self._splits(bs, longest))
+        splits = self._splits(bs, longest - shared)
+        # what the workspace holds at this batch size, less stage 1's splits
+        room = self.workspace.numel() // (bs * self.num_heads * (self.head_dim + 1)) - splits
+        row_blocks = -(-bs * (self.num_heads // self.num_kv_heads) // DECODE_SHARED_BLOCK_M)
+        want = -(-self.num_sms * 4 // (self.num_kv_heads * row_blocks))
+        shared_splits = max(0, min(room, want, -(-shared // 256), self.max_kv_splits))
+        if shared_splits == 0:
+            return TritonDecodeMetadata(num_kv_splits=self._splits(bs, longest))
+        return TritonDecodeMetadata(splits, shared, shared_splits)
 
     # ------------------------------------------------------------------ CUDA graphs
 
     supports_cuda_graph = True
+    supports_shared_prefix = True  # reads ForwardBatch.shared_prefix_len in eager DECODE
 
     def init_cuda_graph_capture(self, fb: ForwardBatch) -> None:
         # The split count is baked into the graph: take the one for the longest context, so any
@@ -140,6 +168,7 @@ class TritonAttnBackend(AttentionBackend):
         decode_attention_fwd(
             q, k_buf, v_buf, o, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
             fb.seq_lens, layer.scaling, meta.num_kv_splits, self.workspace,
+            shared_len=meta.shared_len, shared_splits=meta.shared_splits,
         )
         return o
 

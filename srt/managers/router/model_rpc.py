@@ -40,7 +40,7 @@ from srt.managers.router.image_pads import ReqImage
 from srt.managers.router.infer_batch import Req, SamplingRows, build_sampling_info
 from srt.managers.router.logprob_step import StepLogprobs, prefix_limit
 from srt.managers.router.model_runner import ModelRunner
-from srt.managers.router.radix_cache import RadixCache
+from srt.managers.router.radix_cache import RadixCache, shared_prefix_len
 from srt.managers.router.scheduler import Admission, order_queue
 from srt.managers.router.step_inputs import StepInputBuilder
 from srt.managers.router.step_timing import StepTimer
@@ -661,6 +661,8 @@ class ModelRpcServer:
             attn_backend=self.runner.attn_backend,
             images=images,
         )
+        if mode == ForwardMode.DECODE and self.runner.wants_shared_prefix(len(batch)):
+            fb.shared_prefix_len = shared_prefix_len([r.last_node for r in batch])
         lps = None
         if any(r.logprob is not None for r in batch):
             lps = StepLogprobs(batch, mode, prefix_lens, extend_lens, dev)

@@ -181,6 +181,13 @@ class ModelRunner:
             )
         return tokens
 
+    def wants_shared_prefix(self, bs: int) -> bool:
+        """Whether a DECODE batch of `bs` requests would use `ForwardBatch.shared_prefix_len`:
+        the backend reads it, and the step runs eagerly (graphs are captured without it)."""
+        if not getattr(self.attn_backend, "supports_shared_prefix", False) or bs < 2:
+            return False
+        return self.graph_runner is None or bs > self.graph_runner.max_bs
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Float32 logits [batch, vocab] of each request's next token."""

@@ -102,6 +102,28 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def shared_prefix_len(nodes: Sequence[TreeNode | None]) -> int:
+    """Tokens on the path from the root to the deepest node that is `nodes[i]` or one of its
+    ancestors for every i (their lowest common ancestor); 0 if any node is None. A request's
+    slots for those positions are the tree's, so requests locked at `nodes` share them."""
+    if not nodes or any(n is None for n in nodes):
+        return 0
+    path: list[TreeNode] = []  # nodes[0] up to the root
+    n: TreeNode | None = nodes[0]
+    while n is not None:
+        path.append(n)
+        n = n.parent
+    index = {id(x): i for i, x in enumerate(path)}
+    lowest = 0  # index in `path` of the common ancestor so far
+    for n in nodes[1:]:
+        while id(n) not in index:  # the root is on the path, so this ends
+            n = n.parent
+        lowest = max(lowest, index[id(n)])
+        if lowest == len(path) - 1:
+            return 0
+    return sum(len(x.key) for x in path[lowest:])
+
+
 class RadixCache:
     """Prefix cache over KV slots; see the module docstring for the contracts.
 

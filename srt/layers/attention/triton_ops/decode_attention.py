@@ -11,9 +11,16 @@ Split boundaries are `split_len = round_up(cdiv(seq_len, num_kv_splits), BLOCK_N
 but the last starts on a block boundary; splits past the end of a short context are empty:
 stage 1 skips them and stage 2 masks them out (so more splits than tokens is fine).
 
+Shared prefix (`shared_len` P > 0): the first P context positions of every request in the batch
+map to the same pool slots (one cached prefix, e.g. a system prompt). Stage 1 then covers only
+each request's own positions P..seq_len-1, and the shared stage, grid (kv_heads, row blocks,
+shared_splits), reads the prefix's K/V once for BLOCK_M query rows of all requests at a time
+(rows = request x head of the KV group) instead of once per request; its partial results are
+extra splits that stage 2 merges like the others.
+
 The workspace (see `decode_workspace`) is one flat float32 buffer: per call the first
-bs * H * splits * D floats hold the partial outputs [bs, H, splits, D] and the next
-bs * H * splits the LSEs [bs, H, splits]. Allocate it once and reuse it: the call does no
+bs * H * S * D floats hold the partial outputs [bs, H, S, D] and the next bs * H * S the LSEs
+[bs, H, S], where S = num_kv_splits + shared_splits. Allocate it once and reuse it: the call does no
 allocation, no host sync and is CUDA-graph capturable when a workspace is given.
 """
 
@@ -46,6 +53,7 @@ DECODE_NUM_STAGES = 2
 DECODE_PROGRAMS_PER_SM = 4
 DECODE_MIN_TOKENS_PER_SPLIT = 128
 DECODE_MAX_KV_SPLITS = 64
+DECODE_SHARED_BLOCK_M = 64  # query rows (request x head) per program of the shared stage
 _DEFAULT_NUM_SMS = 132  # H100 / H200
 
 
@@ -114,6 +122,8 @@ def _decode_stage1_kernel(
     stride_r2t,
     num_heads,
     num_splits,
+    total_splits,  # num_splits + the shared stage's splits (the workspace's split axis)
+    shared_len,  # positions 0..shared_len-1 are the shared stage's
     KV_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -127,8 +137,8 @@ def _decode_stage1_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(Seq_Lens + cur_batch).to(tl.int32)
-    split_len = _decode_split_len(seq_len, num_splits, BLOCK_N)
-    split_start = split * split_len
+    split_len = _decode_split_len(seq_len - shared_len, num_splits, BLOCK_N)
+    split_start = shared_len + split * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
     if split_start >= split_end:
         return  # an empty split (short context): stage 2 ignores it
@@ -172,10 +182,90 @@ def _decode_stage1_kernel(
         m_i = m_new
 
     # partial result of this split, normalised, and its log2-sum-exp2
-    base = (cur_batch.to(tl.int64) * num_heads + cur_heads) * num_splits + split  # [BLOCK_H]
+    base = (cur_batch.to(tl.int64) * num_heads + cur_heads) * total_splits + split  # [BLOCK_H]
     o_ptrs = Mid_O + base[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
     tl.store(Mid_Lse + base, m_i + tl.math.log2(l_i), mask=mask_h)
+
+
+@triton.jit
+def _decode_shared_kernel(
+    Q, K_Buffer, V_Buffer,
+    Req_To_Token, Req_Pool_Indices,
+    Mid_O, Mid_Lse,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qb, stride_qh,
+    stride_kbuf_t, stride_kbuf_h,
+    stride_vbuf_t, stride_vbuf_h,
+    stride_r2t,
+    bs,
+    num_heads,
+    num_splits,  # stage 1's splits: this stage writes splits num_splits.. of the workspace
+    total_splits,
+    shared_len,
+    shared_splits,
+    KV_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    cur_kv_head = tl.program_id(0)
+    block_m = tl.program_id(1)
+    split = tl.program_id(2)
+
+    split_len = _decode_split_len(shared_len, shared_splits, BLOCK_N)
+    split_start = split * split_len
+    split_end = tl.minimum(split_start + split_len, shared_len)
+    if split_start >= split_end:
+        return  # stage 2 ignores it
+    # the shared positions have the same slots in every request's row: read the first one's
+    row = tl.load(Req_Pool_Indices).to(tl.int64)
+
+    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows: request x head of group
+    mask_m = offs_m < bs * KV_GROUP
+    batch = offs_m // KV_GROUP
+    heads = cur_kv_head * KV_GROUP + offs_m % KV_GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q_ptrs = (Q + batch.to(tl.int64)[:, None] * stride_qb + heads[:, None] * stride_qh
+              + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    slot_row = Req_To_Token + row * stride_r2t
+    kbuf_base = K_Buffer + cur_kv_head * stride_kbuf_h
+    vbuf_base = V_Buffer + cur_kv_head * stride_vbuf_h
+    for start_n in range(split_start, split_end, BLOCK_N):
+        cur_n = start_n + offs_n
+        mask_n = cur_n < split_end
+        slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        v = tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = _mma(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
+        m_i = m_new
+
+    base = (batch.to(tl.int64) * num_heads + heads) * total_splits + num_splits + split
+    o_ptrs = Mid_O + base[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(o_ptrs, acc / l_i[:, None], mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(Mid_Lse + base, m_i + tl.math.log2(l_i), mask=mask_m)
 
 
 @triton.jit
@@ -184,6 +274,9 @@ def _decode_stage2_kernel(
     stride_ob, stride_oh,
     num_heads,
     num_splits,
+    total_splits,
+    shared_len,
+    shared_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -193,13 +286,18 @@ def _decode_stage2_kernel(
     cur_head = tl.program_id(1)
 
     seq_len = tl.load(Seq_Lens + cur_batch).to(tl.int32)
-    split_len = _decode_split_len(seq_len, num_splits, BLOCK_N)
+    own_len = seq_len - shared_len
+    split_len = _decode_split_len(own_len, num_splits, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
-    valid = (offs_s < num_splits) & (offs_s * split_len < seq_len)
+    valid = (offs_s < num_splits) & (offs_s * split_len < own_len)
+    # the shared stage's splits follow stage 1's (none when shared_splits == 0)
+    shared_split_len = _decode_split_len(shared_len, tl.maximum(shared_splits, 1), BLOCK_N)
+    j = offs_s - num_splits
+    valid = valid | ((j >= 0) & (j < shared_splits) & (j * shared_split_len < shared_len))
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
-    base = (cur_batch.to(tl.int64) * num_heads + cur_head) * num_splits + offs_s  # [BLOCK_S]
+    base = (cur_batch.to(tl.int64) * num_heads + cur_head) * total_splits + offs_s  # [BLOCK_S]
     lse = tl.load(Mid_Lse + base, mask=valid, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.where(valid, tl.math.exp2(lse - m), 0.0)
@@ -224,6 +322,8 @@ def decode_attention_fwd(
     workspace: torch.Tensor | None = None,
     *,
     block_n: int | None = None,
+    shared_len: int = 0,
+    shared_splits: int = 0,
 ) -> None:
     """One query per request over the whole context `req_to_token[req_pool_indices[i],
     :seq_lens[i]]` (the current token's K/V already in the pool), written into `o`.
@@ -231,7 +331,10 @@ def decode_attention_fwd(
     q, o: [bs, H, D]; k_buffer, v_buffer: [S, Hkv, D] pool of the layer; req_to_token: [R, C]
     int32/int64; req_pool_indices, seq_lens: [bs] int32/int64 device tensors (seq_lens >= 1);
     num_kv_splits: host int >= 1 (see choose_num_kv_splits); workspace: float32 with at least
-    decode_workspace_numel(bs, H, D, num_kv_splits) elements (allocated here if None).
+    decode_workspace_numel(bs, H, D, num_kv_splits + shared_splits) elements (allocated here
+    if None). shared_len > 0 (with shared_splits >= 1) promises that the first shared_len
+    entries of every request's req_to_token row are the same slots and that every
+    seq_lens[i] > shared_len; those positions are then read once for the whole batch.
     """
     check_heads(q, k_buffer)
     check_layout(q, o, k_buffer, v_buffer)
@@ -242,21 +345,24 @@ def decode_attention_fwd(
         raise ValueError("req_to_token rows must be contiguous")
     if num_kv_splits < 1:
         raise ValueError("num_kv_splits must be >= 1")
+    if shared_len < 0 or (shared_len > 0) != (shared_splits > 0):
+        raise ValueError("shared_len > 0 needs shared_splits >= 1, and the reverse")
     bs, heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
     if bs == 0:
         return
-    need = decode_workspace_numel(bs, heads, head_dim, num_kv_splits)
+    total_splits = num_kv_splits + shared_splits
+    need = decode_workspace_numel(bs, heads, head_dim, total_splits)
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=q.device)
     elif (workspace.dtype != torch.float32 or not workspace.is_contiguous()
           or workspace.numel() < need):
         raise ValueError(
             f"decode workspace too small or not contiguous float32: need {need} floats for "
-            f"bs={bs}, heads={heads}, head_dim={head_dim}, splits={num_kv_splits}"
+            f"bs={bs}, heads={heads}, head_dim={head_dim}, splits={total_splits}"
         )
     flat = workspace.view(-1)
-    n_o = bs * heads * num_kv_splits * head_dim
+    n_o = bs * heads * total_splits * head_dim
     mid_o = flat[:n_o]
     mid_lse = flat[n_o:need]
 
@@ -273,6 +379,8 @@ def decode_attention_fwd(
         req_to_token.stride(0),
         heads,
         num_kv_splits,
+        total_splits,
+        shared_len,
         KV_GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
@@ -283,14 +391,44 @@ def decode_attention_fwd(
         num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
     )
+    if shared_len > 0:
+        block_m = DECODE_SHARED_BLOCK_M
+        _decode_shared_kernel[(kv_heads, triton.cdiv(bs * group, block_m), shared_splits)](
+            q, k_buffer, v_buffer,
+            req_to_token, req_pool_indices,
+            mid_o, mid_lse,
+            sm_scale * LOG2E,
+            q.stride(0), q.stride(1),
+            k_buffer.stride(0), k_buffer.stride(1),
+            v_buffer.stride(0), v_buffer.stride(1),
+            req_to_token.stride(0),
+            bs,
+            heads,
+            num_kv_splits,
+            total_splits,
+            shared_len,
+            shared_splits,
+            KV_GROUP=group,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            DOT_PRECISION=dot_precision(q.dtype),
+            UPCAST=interpret_upcast(q.dtype),
+            num_warps=DECODE_NUM_WARPS,
+            num_stages=DECODE_NUM_STAGES,
+        )
     _decode_stage2_kernel[(bs, heads)](
         mid_o, mid_lse, o, seq_lens,
         o.stride(0), o.stride(1),
         heads,
         num_kv_splits,
+        total_splits,
+        shared_len,
+        shared_splits,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        BLOCK_S=triton.next_power_of_2(total_splits),
         BLOCK_N=block_n,
         num_warps=4,
         num_stages=1,
