@@ -70,11 +70,16 @@ def launch_server(model_path: str, kwargs: dict[str, Any], port: int, log_path: 
                                 start_new_session=True)
     srv = LaunchedServer(proc, f"http://127.0.0.1:{port}", log_path)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}):\n{srv.log_tail()}")
-        if _healthy(srv.url):
-            return srv
-        time.sleep(0.5)
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}):\n{srv.log_tail()}")
+            if _healthy(srv.url):
+                return srv
+            time.sleep(0.5)
+    except BaseException:  # interrupted (a SIGTERM from `timeout`): leave no server behind
+        print(f"server not up; its log:\n{srv.log_tail()}", file=sys.stderr)
+        srv.stop()
+        raise
     srv.stop()
     raise RuntimeError(f"server not healthy after {timeout} s:\n{srv.log_tail()}")

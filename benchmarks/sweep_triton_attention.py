@@ -44,6 +44,7 @@ def main() -> None:
         for block_n, stages, per_sm, min_tok, warps in itertools.product(
                 (32, 64), (2, 3, 4), (4, 8, 16), (32, 64, 128), (4, 8)):
             dec.DECODE_BLOCK_N, dec.DECODE_NUM_STAGES = block_n, stages
+            dec.DECODE_NUM_STAGES_SMALL_HEAD = stages
             dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_MIN_TOKENS_PER_SPLIT = per_sm, min_tok
             dec.DECODE_NUM_WARPS = warps
             backend = create_attention_backend("triton", runner=make_runner(256))

@@ -95,6 +95,16 @@ def test_served_shared_prefix_matches_torch(tmp_path: Any, monkeypatch: Any) -> 
 
     monkeypatch.setattr(triton_backend, "decode_attention_fwd", recording)
     server = cpu_model_server(model, attention_backend="triton")
+    # the start-up compile of the eager decode kernels writes nothing but scratch
+    k0, v0 = (b.clone() for b in server.pool.get_kv_buffer(0))
+    rows = server.req_pool.req_to_token.clone()
+    server.runner.attn_backend.warm_up_eager_decode(server.req_pool.req_to_token,
+                                                    *server.pool.get_kv_buffer(0))
+    assert seen == [0, 1]
+    seen.clear()
+    assert torch.equal(k0, server.pool.get_kv_buffer(0)[0])
+    assert torch.equal(v0, server.pool.get_kv_buffer(0)[1])
+    assert torch.equal(rows, server.req_pool.req_to_token)
     got = ids(serve_all(server, reqs()))
     assert got == want
     assert seen and max(seen) == len(prefix), seen  # the whole prompt prefix read once

@@ -122,6 +122,22 @@ class TritonAttnBackend(AttentionBackend):
             return TritonDecodeMetadata(num_kv_splits=self._splits(bs, longest))
         return TritonDecodeMetadata(splits, shared, shared_splits)
 
+    def warm_up_eager_decode(self, req_to_token: torch.Tensor, k_buf: torch.Tensor,
+                             v_buf: torch.Tensor) -> None:
+        """Compile the decode kernels of eager steps (batches larger than the captured graphs,
+        with and without the shared-prefix stage) now rather than inside a user's step. Reads
+        row 0 of `req_to_token` (any slot ids are valid there) and writes only scratch."""
+        bs, h, hkv, d = 2, self.num_heads, self.num_kv_heads, self.head_dim
+        # q as the model passes it: a view of the fused qkv projection
+        qkv = torch.zeros(bs, (h + 2 * hkv) * d, dtype=k_buf.dtype, device=self.device)
+        q = qkv[:, : h * d].view(bs, h, d)
+        o = torch.empty(q.shape, dtype=q.dtype, device=self.device)
+        rows = torch.zeros(bs, dtype=torch.int64, device=self.device)
+        seq_lens = torch.full((bs,), 2, dtype=torch.int64, device=self.device)
+        for shared in (0, 1):
+            decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq_lens, d**-0.5, 1,
+                                 self.workspace, shared_len=shared, shared_splits=shared)
+
     # ------------------------------------------------------------------ CUDA graphs
 
     supports_cuda_graph = True

@@ -179,6 +179,9 @@ class ModelRpcServer:
                 self.step(StepInput())
             else:
                 raise RuntimeError("warm-up requests did not finish in 100 rounds")
+        warm = getattr(self.runner.attn_backend, "warm_up_eager_decode", None)
+        if warm is not None:
+            warm(self.req_pool.req_to_token, *self.pool.get_kv_buffer(0))
         self.tree.reset()
         self.rng.setstate(rng_state)
         self.arrivals = 0

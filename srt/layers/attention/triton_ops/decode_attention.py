@@ -48,6 +48,8 @@ DECODE_BLOCK_N = 64  # tokens per inner step of stage 1
 DECODE_MIN_BLOCK_H = 16  # tl.dot needs M >= 16: the query-head group is padded to this
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 2
+# SmolLM2's heads (9 / 3, d 64) at batch 256 x 768: 4 stages 0.059 ms, 2 stages 0.065 ms.
+DECODE_NUM_STAGES_SMALL_HEAD = 4
 # Split rule: aim at PROGRAMS_PER_SM stage-1 programs per SM, never splits shorter than
 # MIN_TOKENS_PER_SPLIT, never more than MAX_KV_SPLITS splits.
 DECODE_PROGRAMS_PER_SM = 4
@@ -110,7 +112,9 @@ def _decode_split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
-@triton.jit
+# Integer arguments that vary between steps are not specialized on (Triton would otherwise
+# compile a new variant when one of them is 1 or a multiple of 16: mid-serving compiles).
+@triton.jit(do_not_specialize=["num_splits", "total_splits", "shared_len"])
 def _decode_stage1_kernel(
     Q, K_Buffer, V_Buffer,
     Req_To_Token, Req_Pool_Indices, Seq_Lens,
@@ -188,7 +192,8 @@ def _decode_stage1_kernel(
     tl.store(Mid_Lse + base, m_i + tl.math.log2(l_i), mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bs", "num_splits", "total_splits", "shared_len",
+                               "shared_splits"])
 def _decode_shared_kernel(
     Q, K_Buffer, V_Buffer,
     Req_To_Token, Req_Pool_Indices,
@@ -268,7 +273,7 @@ def _decode_shared_kernel(
     tl.store(Mid_Lse + base, m_i + tl.math.log2(l_i), mask=mask_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "total_splits", "shared_len", "shared_splits"])
 def _decode_stage2_kernel(
     Mid_O, Mid_Lse, O, Seq_Lens,
     stride_ob, stride_oh,
@@ -368,6 +373,7 @@ def decode_attention_fwd(
 
     block_n = block_n or DECODE_BLOCK_N
     block_d = triton.next_power_of_2(head_dim)
+    stages = DECODE_NUM_STAGES_SMALL_HEAD if head_dim <= 64 else DECODE_NUM_STAGES
     _decode_stage1_kernel[(bs, kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer,
         req_to_token, req_pool_indices, seq_lens,
@@ -389,7 +395,7 @@ def decode_attention_fwd(
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST=interpret_upcast(q.dtype),
         num_warps=DECODE_NUM_WARPS,
-        num_stages=DECODE_NUM_STAGES,
+        num_stages=stages,
     )
     if shared_len > 0:
         block_m = DECODE_SHARED_BLOCK_M
@@ -416,7 +422,7 @@ def decode_attention_fwd(
             DOT_PRECISION=dot_precision(q.dtype),
             UPCAST=interpret_upcast(q.dtype),
             num_warps=DECODE_NUM_WARPS,
-            num_stages=DECODE_NUM_STAGES,
+            num_stages=stages,
         )
     _decode_stage2_kernel[(bs, heads)](
         mid_o, mid_lse, o, seq_lens,
