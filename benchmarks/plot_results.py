@@ -89,7 +89,7 @@ def plot_throughput(res: dict[str, list[tuple[str, dict[str, Any]]]], path: str)
             labels, on, off = [], [], []
             for stem, d in res[kind]:
                 runs = {r["radix_cache"]: r for r in d["runs"]}
-                labels.append(f"{d['runs'][0]['shape']}")
+                labels.append(f"{d['runs'][0]['shape']}\n{stem}")  # the file tells runs apart
                 on.append(runs[True]["req_per_s"] if True in runs else None)
                 off.append(runs[False]["req_per_s"] if False in runs else None)
             _bars(ax, labels, {"radix cache": on, "no cache": off},
