@@ -142,6 +142,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--json-max-tokens", type=int, default=256)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--jump-min-tokens", type=int, nargs="*", default=[],
+                   help="also run jump-forward with each --jump-forward-min-tokens value")
+    p.add_argument("--jump-only", action="store_true", help="skip the per-token part")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -153,7 +156,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with _engine(a, path, extra) as engine:
         info = engine.model_info
-        for bs in a.batch_sizes:
+        for bs in [] if a.jump_only else a.batch_sizes:
             row: dict[str, Any] = {"batch": bs}
             free = per_token(engine, a, bs, {"temperature": 0, "ignore_eos": True})
             row["free_ms_per_tok"] = free * 1e3
@@ -177,13 +180,22 @@ def main() -> None:
                 r.update(off_chars_per_s=rate, off_passes=passes,
                          speedup=r["jf_chars_per_s"] / rate)
                 print(f"measured {r}", flush=True)
+        for m in a.jump_min_tokens:
+            with _engine(a, path, extra, jump_forward_min_tokens=m) as engine:
+                for r in jump_rows:
+                    rate, passes, _ = json_chars_per_s(engine, a, r["batch"])
+                    r[f"min{m}_speedup"] = rate / r["off_chars_per_s"]
+                    r[f"min{m}_passes"] = passes
+                    print(f"measured {r}", flush=True)
     print(f"model {a.shape or 'SmolLM2-135M-Instruct'} on {info['device']} ({info['dtype']}, "
           f"{info['attention_backend']}, cuda graph {info['cuda_graph']})")
-    print_table(rows, list(rows[0]))
+    if rows:
+        print_table(rows, list(rows[0]))
     if constrained:
         print()
         print_table(jump_rows, ["batch", "chars", "jf_chars_per_s", "off_chars_per_s",
-                                "speedup", "jf_passes", "off_passes"])
+                                "speedup", "jf_passes", "off_passes"]
+                    + [f"min{m}_{k}" for m in a.jump_min_tokens for k in ("speedup", "passes")])
     write_json(a.out, {"bench": "constrained", "argv": sys.argv, "hardware": hardware(),
                        "model": a.shape or "SmolLM2-135M-Instruct", "model_info": info,
                        "per_token": rows, "jump_forward": jump_rows})

@@ -124,3 +124,31 @@ def test_fewer_fill_rounds_than_through_the_queue(results: dict[str, Any]) -> No
     assert queue["jump_forward_batch_steps"] == 0
     assert batch["jump_forwards"] == queue["jump_forwards"]
     assert results["queue"][2]
+
+
+def test_min_tokens_skips_small_jumps(results: dict[str, Any], smollm2_dir: str,
+                                      smollm2_tokenizer: Any) -> None:
+    """--jump-forward-min-tokens 3: a running request jumps only for at least 3 new ids (each
+    in-batch jump costs the batch an EXTEND step); outputs stay valid and the KV is given back."""
+    server = cpu_model_server(smollm2_dir, jump_forward_min_tokens=3)
+    assert server.jump_min_tokens == 3
+    gains: list[int] = []
+    real = server._jump_forward
+
+    def recording(req: Any) -> bool:
+        before, in_batch = len(req.output_ids), req.req_pool_idx is not None
+        queued = real(req)
+        if in_batch and len(req.output_ids) != before:
+            gains.append(len(req.output_ids) - before)
+        return queued
+
+    server._jump_forward = recording  # observe what each jump added
+    res = _serve(server, _requests(smollm2_tokenizer))
+    text = {rid: smollm2_tokenizer.decode(v[0]) for rid, v in res.items()}
+    jsonschema.validate(json.loads(text["schema"]), LONG_KEYS)
+    assert re.fullmatch(REGEXES[0], text["regex0"]), text["regex0"]
+    assert re.fullmatch(REGEXES[1], text["regex1"]), text["regex1"]
+    assert gains and min(gains) >= 3, gains
+    assert server.stats()["jump_forwards"] < results["batch"][1]["jump_forwards"]
+    assert kv_is_free(server)
+    assert cpu_model_server(smollm2_dir).jump_min_tokens == 1  # CPU: no graphs, every jump
