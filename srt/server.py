@@ -229,12 +229,22 @@ def launch_server(args: ServerArgs) -> int:
         if not lifecycle.fail(reason):
             return
         logger.error("shutting the server down: %s", reason)
+        in_flight: list[asyncio.Task] = []  # the HTTP exchanges open when it failed
+
+        def fail_on_loop() -> None:
+            tm.fail_all(reason)
+            in_flight.extend(getattr(getattr(server, "server_state", None), "tasks", ()))
+
         if loop_box:
-            loop_box[0].call_soon_threadsafe(tm.fail_all, reason)
+            loop_box[0].call_soon_threadsafe(fail_on_loop)
         if failure.stalled:  # where is everyone? (before anything is stopped)
             supervisor.dump_stacks()
         deadline = time.monotonic() + FAILURE_FLUSH_S
         while tm.states and time.monotonic() < deadline:  # len() of a dict: thread-safe
+            time.sleep(0.05)
+        # Each open exchange ends once its error answer (or a stream's error event and final
+        # chunk) is handed to its socket; a busy event loop can take a while to get there.
+        while any(not t.done() for t in list(in_flight)) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.2)  # the last error answers leave their sockets
         rt.stop()
