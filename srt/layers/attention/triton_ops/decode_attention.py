@@ -35,7 +35,7 @@ import triton.language as tl
 from srt.layers.attention.triton_ops.prefill_attention import (
     LOG2E,
     _dot,
-    _mma,
+    _online_softmax_step,
     check_heads,
     check_layout,
     dot_precision,
@@ -112,6 +112,28 @@ def _decode_split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
+@triton.jit
+def _attend_range(q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_t, start, end,
+                  qk_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """The online softmax of q's rows over context positions start..end-1, whose pool slots are
+    slot_row[start:end]; returns the updated (m_i, l_i, acc)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        cur_n = start_n + offs_n
+        mask_n = cur_n < end
+        slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale  # [rows, BLOCK_N]
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        v = tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+    return m_i, l_i, acc
+
+
 # Integer arguments that vary between steps are not specialized on (Triton would otherwise
 # compile a new variant when one of them is 1 or a multiple of 16: mid-serving compiles).
 @triton.jit(do_not_specialize=["num_splits", "total_splits", "shared_len"])
@@ -153,7 +175,6 @@ def _decode_stage1_kernel(
     cur_heads = cur_kv_head * KV_GROUP + offs_h
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    offs_n = tl.arange(0, BLOCK_N)
 
     q_ptrs = (Q + cur_batch.to(tl.int64) * stride_qb + cur_heads[:, None] * stride_qh
               + offs_d[None, :])
@@ -163,27 +184,10 @@ def _decode_stage1_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
-    slot_row = Req_To_Token + row * stride_r2t
-    kbuf_base = K_Buffer + cur_kv_head * stride_kbuf_h
-    vbuf_base = V_Buffer + cur_kv_head * stride_vbuf_h
-    for start_n in range(split_start, split_end, BLOCK_N):
-        cur_n = start_n + offs_n
-        mask_n = cur_n < split_end
-        slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale  # [BLOCK_H, BLOCK_N]
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        v = tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = _mma(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
-        m_i = m_new
+    m_i, l_i, acc = _attend_range(
+        q, Req_To_Token + row * stride_r2t, K_Buffer + cur_kv_head * stride_kbuf_h,
+        V_Buffer + cur_kv_head * stride_vbuf_h, stride_kbuf_t, stride_vbuf_t, split_start,
+        split_end, qk_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N, DOT_PRECISION, UPCAST)
 
     # partial result of this split, normalised, and its log2-sum-exp2
     base = (cur_batch.to(tl.int64) * num_heads + cur_heads) * total_splits + split  # [BLOCK_H]
@@ -235,7 +239,6 @@ def _decode_shared_kernel(
     heads = cur_kv_head * KV_GROUP + offs_m % KV_GROUP
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    offs_n = tl.arange(0, BLOCK_N)
 
     q_ptrs = (Q + batch.to(tl.int64)[:, None] * stride_qb + heads[:, None] * stride_qh
               + offs_d[None, :])
@@ -245,27 +248,10 @@ def _decode_shared_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    slot_row = Req_To_Token + row * stride_r2t
-    kbuf_base = K_Buffer + cur_kv_head * stride_kbuf_h
-    vbuf_base = V_Buffer + cur_kv_head * stride_vbuf_h
-    for start_n in range(split_start, split_end, BLOCK_N):
-        cur_n = start_n + offs_n
-        mask_n = cur_n < split_end
-        slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        v = tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = _mma(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
-        m_i = m_new
+    m_i, l_i, acc = _attend_range(
+        q, Req_To_Token + row * stride_r2t, K_Buffer + cur_kv_head * stride_kbuf_h,
+        V_Buffer + cur_kv_head * stride_vbuf_h, stride_kbuf_t, stride_vbuf_t, split_start,
+        split_end, qk_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N, DOT_PRECISION, UPCAST)
 
     base = (batch.to(tl.int64) * num_heads + heads) * total_splits + num_splits + split
     o_ptrs = Mid_O + base[:, None] * HEAD_DIM + offs_d[None, :]
