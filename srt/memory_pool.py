@@ -1,14 +1,20 @@
 """The two-level KV memory: ReqToTokenPool (request rows) and TokenToKVPool (KV slots), page size 1.
 
 Page size 1: every token owns one slot, so the radix cache can share any prefix at token
-granularity. Free lists live on the CPU: allocating is a slice, freeing a concatenation; there is
-no `torch.nonzero` scan and no device sync on the hot path. This module knows nothing of the tree
-or the scheduler.
+granularity. Free lists live on the CPU: allocating takes slices off the front, freeing appends a
+chunk at the back; there is no `torch.nonzero` scan and no device sync on the hot path. This
+module knows nothing of the tree or the scheduler.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
+
+# Freed chunks shorter than this are merged with the chunk before them (if that one is short too),
+# so many one-slot frees do not make an allocation gather thousands of pieces.
+_SMALL_CHUNK = 4096
 
 
 class ReqToTokenPool:
@@ -79,24 +85,48 @@ class TokenToKVPool:
         return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     def available_size(self) -> int:
-        return int(self._free.numel())
+        return self._num_free
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """n free slots (int64 CPU tensor), or None (and nothing taken) when fewer are free."""
-        if n > self._free.numel():
+        """n free slots (int64 CPU tensor), or None (and nothing taken) when fewer are free.
+
+        Slots come in free-list order: first the never-used ones in index order, then freed ones
+        in the order they were freed (a FIFO, so every TP rank hands out the same slots)."""
+        if n > self._num_free:
             return None
-        out = self._free[:n]
-        self._free = self._free[n:]
-        return out
+        self._num_free -= n
+        parts: list[torch.Tensor] = []
+        while n > 0:
+            head = self._chunks[0]
+            if head.numel() <= n:
+                parts.append(self._chunks.popleft())
+                n -= head.numel()
+            else:
+                parts.append(head[:n])
+                self._chunks[0] = head[n:]
+                n = 0
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     def free(self, slots: torch.Tensor) -> None:
-        """Return slots to the free list. Freeing is batched by the caller where it can be."""
+        """Return slots to the free list: O(len(slots)), whatever the number of free slots (a
+        concatenation with the whole free list cost milliseconds on a pool of millions)."""
         if slots.numel() == 0:
             return
-        self._free = torch.cat((self._free, slots.to("cpu", torch.int64)))
+        # A copy: the caller may keep using its tensor (a tree node keeps the rest of a split).
+        slots = slots.to("cpu", torch.int64, copy=True).reshape(-1)
+        self._num_free += slots.numel()
+        tail = self._chunks[-1] if self._chunks else None
+        if (tail is not None and slots.numel() < _SMALL_CHUNK
+                and tail.numel() < _SMALL_CHUNK):
+            self._chunks[-1] = torch.cat((tail, slots))
+        else:
+            self._chunks.append(slots)
 
     def clear(self) -> None:
-        self._free = torch.arange(self.size, dtype=torch.int64)
+        self._chunks: deque[torch.Tensor] = deque([torch.arange(self.size, dtype=torch.int64)])
+        self._num_free = self.size
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]

@@ -134,6 +134,40 @@ def test_kv_pool_matches_reference_set(case: tuple[int, list[tuple[str, int, int
     assert pool.alloc(1) is None
 
 
+def test_slots_come_back_in_fifo_order_across_small_and_large_frees() -> None:
+    """The free list is a FIFO: never-used slots in index order, then freed ones in the order
+    they were freed (every TP rank must hand out the same slots). A reference deque of ints
+    gives the exact order; frees mix one-slot, short and long (over the merge size) chunks."""
+    from collections import deque
+
+    size = 20_000
+    pool = make_kv_pool(size)
+    ref = deque(range(size))
+    out: list[int] = []
+    g = torch.Generator().manual_seed(3)
+    for step in range(300):
+        if step % 3 != 2 or not out:
+            n = int(torch.randint(0, 3000 if step % 7 == 0 else 40, (1,), generator=g))
+            n = min(n, len(ref))
+            got = pool.alloc(n)
+            assert got is not None and got.tolist() == [ref.popleft() for _ in range(n)]
+            out.extend(got.tolist())
+        else:
+            k = int(torch.randint(1, len(out) + 1, (1,), generator=g))
+            perm = torch.randperm(len(out), generator=g)[:k].tolist()
+            chosen = [out[i] for i in perm]
+            t = torch.tensor(chosen, dtype=torch.int32 if step % 2 else torch.int64)
+            pool.free(t)
+            t.fill_(-1)  # the pool kept its own copy
+            ref.extend(chosen)
+            gone = set(chosen)
+            out = [x for x in out if x not in gone]
+        assert pool.available_size() == len(ref)
+    rest = pool.alloc(len(ref))
+    assert rest is not None and rest.tolist() == list(ref)
+    assert pool.alloc(1) is None
+
+
 @pytest.mark.parametrize(
     "dtype,itemsize", [(torch.float32, 4), (torch.float16, 2), (torch.bfloat16, 2)]
 )
