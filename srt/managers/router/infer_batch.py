@@ -184,8 +184,10 @@ def _add_penalties(info: SamplingBatchInfo, reqs: list[Req], vocab: int,
         if ps[i].repetition_penalty != 1.0:
             seen[i, torch.tensor(r.origin_input_ids, dtype=torch.int64)] = True
     seen |= counts > 0
-    info.output_counts = counts.to(device)
-    info.seen_mask = seen.to(device)
-    info.frequency_penalties = torch.tensor([p.frequency_penalty for p in ps], device=device)
-    info.presence_penalties = torch.tensor([p.presence_penalty for p in ps], device=device)
-    info.repetition_penalties = torch.tensor([p.repetition_penalty for p in ps], device=device)
+    # Non-blocking (the driver stages pageable memory before returning): the forward in flight
+    # is not waited for.
+    info.output_counts = counts.to(device, non_blocking=True)
+    info.seen_mask = seen.to(device, non_blocking=True)
+    per_row = torch.tensor([[p.frequency_penalty for p in ps], [p.presence_penalty for p in ps],
+                            [p.repetition_penalty for p in ps]]).to(device, non_blocking=True)
+    info.frequency_penalties, info.presence_penalties, info.repetition_penalties = per_row

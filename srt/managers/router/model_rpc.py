@@ -494,26 +494,33 @@ class ModelRpcServer:
         return jumped
 
     def _forward_mixed(self, batch: list[Req]) -> tuple[list[int], list[Any]]:
-        """The EXTEND forward of a running batch in which some requests jumped forward: each
-        request computes its ids from `kv_computed` on (one for most). Returns the sampled ids
-        and their logprobs."""
+        """The step of a running batch in which some requests jumped forward: each request
+        computes its ids from `kv_computed` on (one for most). Returns the sampled ids and their
+        logprobs.
+
+        It runs as a DECODE step with one row per new token, not as an EXTEND: row j of a
+        request is its token at position p_j, reading the request's `req_to_token` row up to
+        p_j + 1. Every layer stores the K/V of all rows before its attention reads any, so a
+        row sees the rows before it of its own request as a causal extend would. A DECODE step
+        of up to the largest graph's size replays a CUDA graph; an eager EXTEND of the batch
+        costs a launch of every kernel of every layer (milliseconds of host time for a small
+        model, far more than its few extra rows). Each request samples from its last row."""
         starts = [r.kv_computed for r in batch]
         ext_lens = [r.step_input_len for r in batch]
         slots = self._alloc_slots(sum(ext_lens))
         input_ids: list[int] = []
         positions: list[int] = []
-        rows: list[int] = []
+        pool_rows: list[int] = []
+        last_rows: list[int] = []
         for r, start, ext in zip(batch, starts, ext_lens):
             input_ids.extend(r.fill_ids[start:])
             positions.extend(range(start, start + ext))
-            rows.extend([r.req_pool_idx] * ext)
+            pool_rows.extend([r.req_pool_idx] * ext)
+            last_rows.append(len(positions) - 1)
             r.kv_valid = None
-        table = self.req_pool.req_to_token
-        # One scatter for every new slot of the step (rows and columns built on the host).
-        index = torch.tensor([rows, positions], dtype=torch.int64).to(table.device)
-        table[index[0], index[1]] = slots.to(table.device, torch.int32)
-        next_ids, _, out_lps = self._run(batch, ForwardMode.EXTEND, input_ids, positions, slots,
-                                         starts, ext_lens)
+        next_ids, _, out_lps = self._run(batch, ForwardMode.DECODE, input_ids, positions, slots,
+                                         positions, [1] * len(positions),
+                                         rows=(pool_rows, last_rows))
         self.mixed_steps_total += 1
         return next_ids, out_lps
 
@@ -631,9 +638,13 @@ class ModelRpcServer:
     def _run(self, batch: list[Req], mode: ForwardMode, input_ids: list[int] | torch.Tensor,
              positions: list[int], out_cache_loc: torch.Tensor, prefix_lens: list[int],
              extend_lens: list[int], images: list[ImageSpanInput] | None = None,
-             defer: bool = False) -> Any:
+             defer: bool = False, rows: tuple[list[int], list[int]] | None = None) -> Any:
         """One forward and sampling: (next ids, prompt logprobs, logprobs of the next ids) per
         request of the batch (None where not asked).
+
+        `rows` (DECODE only): (the req_to_token row of each forward row, the forward row each
+        request samples from), for a step with several rows per request (`_forward_mixed`);
+        positions, out_cache_loc, prefix_lens and extend_lens are then per forward row.
 
         input_ids may be a device tensor (the previous step's sampled ids, never seen by the
         host). With `defer` (no logprobs in the batch), the sampled ids are not waited for: the
@@ -647,8 +658,10 @@ class ModelRpcServer:
         else:
             seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         on_device = isinstance(input_ids, torch.Tensor)
+        assert rows is None or mode == ForwardMode.DECODE
+        pool_rows = [r.req_pool_idx for r in batch] if rows is None else rows[0]
         t = self.step_inputs.build([0] * len(positions) if on_device else input_ids, positions,
-                                   out_cache_loc, [r.req_pool_idx for r in batch], seq_lens)
+                                   out_cache_loc, pool_rows, seq_lens)
         if on_device:  # stream-ordered after the inputs' copy
             t.input_ids.copy_(input_ids)
         if mode == ForwardMode.DECODE:  # the new token's slot: req_to_token[row, position]
@@ -656,7 +669,7 @@ class ModelRpcServer:
                 torch.int32)
         fb = ForwardBatch(
             forward_mode=mode,
-            batch_size=len(batch),
+            batch_size=len(pool_rows),
             input_ids=t.input_ids,
             positions=t.positions,
             out_cache_loc=t.out_cache_loc,
@@ -670,26 +683,29 @@ class ModelRpcServer:
             attn_backend=self.runner.attn_backend,
             images=images,
         )
-        if mode == ForwardMode.DECODE and self.runner.wants_shared_prefix(len(batch)):
+        if (mode == ForwardMode.DECODE and rows is None
+                and self.runner.wants_shared_prefix(len(batch))):
             fb.shared_prefix_len = shared_prefix_len([r.last_node for r in batch])
         lps = None
         if any(r.logprob is not None for r in batch):
             lps = StepLogprobs(batch, mode, prefix_lens, extend_lens, dev)
             fb.prompt_logprobs = lps.prompt_request
         self.step_timer.mark("prepare")
-        # Sampling tensors first: their host-to-device copies then queue ahead of the forward
-        # instead of waiting for it to finish.
-        info, self.sampling_rows = build_sampling_info(
-            batch, self.config.vocab_size, dev, self._stop_ids, self.sampling_rows)
-        self.step_timer.mark("sample_prep")
         logits = self.runner.forward(fb)
+        if rows is not None:
+            logits = logits.index_select(
+                0, torch.tensor(rows[1], dtype=torch.int64).to(dev, non_blocking=True))
         self.step_timer.mark("forward")
         assert logits.shape[-1] == self.config.vocab_size
+        # The sampling tensors and masks after the launch: on a GPU the host builds them while
+        # the device runs the forward (every copy in them is non-blocking).
+        info, self.sampling_rows = build_sampling_info(
+            batch, self.config.vocab_size, dev, self._stop_ids, self.sampling_rows)
         if any(r.fsm is not None for r in batch):
-            rows = [(r.fsm, r.fsm_state) if r.fsm is not None else None for r in batch]
+            fsm_rows = [(r.fsm, r.fsm_state) if r.fsm is not None else None for r in batch]
             if self.mask_rows is None:
                 self.mask_rows = ForbiddenRows(logits.shape[-1], dev)
-            info.forbidden = merge_forbidden(info.forbidden, self.mask_rows.batch(rows))
+            info.forbidden = merge_forbidden(info.forbidden, self.mask_rows.batch(fsm_rows))
         self.step_timer.mark("sample_prep")
         ids = sample(logits, info, self.runner.sampler_generator)
         # Rank 0 samples for all: ranks hold bitwise-equal logits and generators, but one
