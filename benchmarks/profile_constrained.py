@@ -51,6 +51,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest captured decode batch (default: the server's; the step after "
+                   "a jump has a row per new id)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
 
@@ -62,7 +65,8 @@ def main() -> None:
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     args = ServerArgs(model_path=path, tokenizer_path=path, load_format="dummy", dtype=dtype,
                       disable_cuda_graph=a.disable_cuda_graph, random_seed=0,
-                      cuda_graph_max_bs=max(a.batch))
+                      **({"cuda_graph_max_bs": a.cuda_graph_max_bs}
+                         if a.cuda_graph_max_bs else {}))
     server = ModelRpcServer(args, 0, None)
     prompt = list(server.tokenizer.encode(PROMPT))
     serial = iter(range(10**9))

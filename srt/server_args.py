@@ -88,9 +88,9 @@ class ServerArgs:
         False, "Sample every token of a regex / JSON-schema output, instead of appending at "
         "once the text the pattern forces (e.g. a schema's keys).")
     jump_forward_min_tokens: int = _f(
-        0, "Jump forward inside a running batch only when it adds at least this many ids: the "
-        "batch's next step is then an EXTEND forward without a CUDA graph, which costs more than "
-        "a decode step. 0: 1 without CUDA graphs, 4 with them.")
+        1, "Jump forward inside a running batch only when it adds at least this many ids (the "
+        "batch's next step then computes one row per new id, from a CUDA graph while the rows "
+        "fit the largest one).")
     enable_overlap_schedule: bool = _f(
         False, "Run decode steps with the host one step behind the device: the next step is "
         "launched with the sampled ids still on the device while the host finishes the "
@@ -170,8 +170,8 @@ class ServerArgs:
             raise ValueError("--cuda-graph-max-bs must be >= 1")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
-        if self.jump_forward_min_tokens < 0:
-            raise ValueError("--jump-forward-min-tokens must be >= 0")
+        if self.jump_forward_min_tokens < 1:
+            raise ValueError("--jump-forward-min-tokens must be >= 1")
         if self.schedule_conservativeness <= 0:
             raise ValueError("--schedule-conservativeness must be > 0")
         if self.watchdog_timeout <= 0:

@@ -1,6 +1,6 @@
 """Jump-forward inside the decode batch: a running request whose pattern forces text keeps its
-row, and the batch's next step (EXTEND) computes its new ids together with one token of every
-other request. Compared with jumps through the waiting queue (each a fill round of its own):
+row, and the batch's next step computes its new ids (a DECODE step with one row per new id)
+together with one token of every other request. Compared with jumps through the waiting queue (each a fill round of its own):
 the same greedy ids and finish reasons, fewer fill rounds, and the KV all given back."""
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ def test_fewer_fill_rounds_than_through_the_queue(results: dict[str, Any]) -> No
 def test_min_tokens_skips_small_jumps(results: dict[str, Any], smollm2_dir: str,
                                       smollm2_tokenizer: Any) -> None:
     """--jump-forward-min-tokens 3: a running request jumps only for at least 3 new ids (each
-    in-batch jump costs the batch an EXTEND step); outputs stay valid and the KV is given back."""
+    in-batch jump adds rows to the batch's next step); outputs stay valid and the KV is given
+    back."""
     server = cpu_model_server(smollm2_dir, jump_forward_min_tokens=3)
     assert server.jump_min_tokens == 3
     gains: list[int] = []
@@ -151,4 +152,4 @@ def test_min_tokens_skips_small_jumps(results: dict[str, Any], smollm2_dir: str,
     assert gains and min(gains) >= 3, gains
     assert server.stats()["jump_forwards"] < results["batch"][1]["jump_forwards"]
     assert kv_is_free(server)
-    assert cpu_model_server(smollm2_dir).jump_min_tokens == 1  # CPU: no graphs, every jump
+    assert cpu_model_server(smollm2_dir).jump_min_tokens == 1  # the default: every jump

@@ -162,12 +162,13 @@ def build_sampling_info(
         if len(r.output_ids) < r.sampling_params.min_new_tokens and (ids := stop_ids(r))
     ]
     if forbid:
-        # A few ids per row: their (row, id) pairs go to the device, not a [bs, vocab] mask.
-        pairs = [(i, t) for i, ids in forbid for t in ids if t < vocab_size]
+        # A few ids per row: their flat positions go to the device, not a [bs, vocab] mask.
+        # (index_fill_, not `mask[rows, cols] = True`: that assignment waits for the device.)
+        flat = [i * vocab_size + t for i, ids in forbid for t in ids if t < vocab_size]
         mask = torch.zeros((len(reqs), vocab_size), dtype=torch.bool, device=device)
-        if pairs:
-            idx = torch.tensor(pairs, dtype=torch.int64).to(device, non_blocking=True)
-            mask[idx[:, 0], idx[:, 1]] = True
+        if flat:
+            idx = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+            mask.view(-1).index_fill_(0, idx, True)
         info.forbidden = mask
     return info, static
 

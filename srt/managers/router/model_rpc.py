@@ -59,9 +59,6 @@ RETRACT_LOOKAHEAD_STEPS = 20
 # the batch's next step); False sends every jump through the waiting queue and a fill (tests
 # compare the two).
 JUMP_IN_BATCH = True
-# Default of --jump-forward-min-tokens when decode steps replay CUDA graphs: a jump replaces that
-# many graph decode steps with one eager EXTEND step of the whole batch.
-JUMP_MIN_TOKENS_WITH_GRAPHS = 4
 
 
 @dataclass
@@ -134,8 +131,7 @@ class ModelRpcServer:
         self.step_inputs = StepInputBuilder(self.runner.device)
         self.sampling_rows: SamplingRows | None = None  # the last batch's, reused while equal
         # In-batch jumps cost the batch an eager EXTEND step (see _jump_forward).
-        self.jump_min_tokens = args.jump_forward_min_tokens or (
-            JUMP_MIN_TOKENS_WITH_GRAPHS if self.runner.graph_runner is not None else 1)
+        self.jump_min_tokens = args.jump_forward_min_tokens
         self.heap = HeapTrimmer()  # the process loop trims when idle and every 30 s of work
         self._reset_stats()
         # On a GPU the first fills compile kernels; on the CPU there is nothing to warm up.
@@ -823,7 +819,7 @@ class ModelRpcServer:
         in_batch = False
         if req.req_pool_idx is not None:
             if len(plan.new_ids) - (len(req.output_ids) - plan.keep) < self.jump_min_tokens:
-                return False  # too few ids gained for the EXTEND step it costs the batch
+                return False  # too few ids gained (--jump-forward-min-tokens)
             old_ids, old_kv = req.fill_ids, req.kv_computed
             new_ids = old_ids[: len(req.origin_input_ids) + plan.keep] + plan.new_ids
             valid = min(len(req.origin_input_ids) + plan.keep, old_kv)
