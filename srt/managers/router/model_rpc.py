@@ -130,7 +130,7 @@ class ModelRpcServer:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self.step_inputs = StepInputBuilder(self.runner.device)
         self.sampling_rows: SamplingRows | None = None  # the last batch's, reused while equal
-        # In-batch jumps cost the batch an eager EXTEND step (see _jump_forward).
+        # A running request jumps only when that adds at least this many ids (see _jump_forward).
         self.jump_min_tokens = args.jump_forward_min_tokens
         self.heap = HeapTrimmer()  # the process loop trims when idle and every 30 s of work
         self._reset_stats()
