@@ -181,6 +181,12 @@ def _run(srv: ServerProcess, timeout: float = 60.0) -> Outcome:
             out.exit_at, out.exit_code = time.monotonic(), srv.proc.returncode
             break
         time.sleep(0.02)
+    # A server that exits at once (the HTTP process gone) may do so between two polls: keep
+    # polling until one poll was sent after the exit, so the record shows what a client then saw.
+    settle = time.monotonic() + 1.0
+    while (out.exit_at is not None and time.monotonic() < settle
+           and not any(sent > out.exit_at for sent, _ in list(out.health))):
+        time.sleep(0.01)
     stop.set()
     poller.join(5)
     for t in threads:
