@@ -466,8 +466,8 @@ class ModelRpcServer:
         now waits for a fill).
 
         A DECODE step, or, when a request jumped forward inside the batch (its output ids were
-        re-tokenized with forced text), an EXTEND step of the whole batch: one token for each
-        other request, the ids without KV for each request that jumped. The rest of the batch
+        re-tokenized with forced text), a step with one token for each other request and the ids
+        without KV for each request that jumped (`_forward_mixed`). The rest of the batch
         keeps decoding through the jump instead of waiting for a fill round of its own.
         """
         self.step_timer.begin()
