@@ -12,13 +12,17 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from srt import field_policy
+from srt import stop_regex as stop_patterns
+
 
 class SamplingParamError(ValueError):
     """A sampling parameter is invalid. `param` names the field, for the 400 answer."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -38,15 +42,20 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
+    # Regexes searched in the output text (srt/stop_regex.py); trimmed like stop strings.
+    stop_regex: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
-    seed: int | None = None
+    seed: int | None = None  # SGLang's name for it, sampling_seed, is accepted too
+    # Tokens per streamed chunk for this request; None: the server's --stream-interval.
+    stream_interval: int | None = None
     # Constrained decoding: the output must fully match `regex`, or be JSON valid under
-    # `json_schema` (canonical JSON text of the schema). At most one of the two.
+    # `json_schema` (the schema as compact JSON text, its keys in the client's order: the
+    # order of `properties` is the order of the output's keys). At most one of the two.
     regex: str | None = None
     json_schema: str | None = None
 
@@ -79,15 +88,21 @@ class SamplingParams:
             d = {}
         if not isinstance(d, dict):
             raise SamplingParamError("sampling_params", "sampling_params must be an object")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise SamplingParamError(unknown[0], f"unknown sampling parameter {unknown[0]!r}")
+        try:
+            d = field_policy.SAMPLING.apply(d)
+        except field_policy.FieldError as e:
+            raise SamplingParamError(e.name, str(e), e.code) from None
         kw: dict[str, Any] = {}
         for name, value in d.items():
             if value is None:
                 continue  # JSON null means "use the default"
             kw[name] = _coerce(name, value)
+        if "sampling_seed" in kw:  # SGLang's name of seed
+            seed = kw.pop("sampling_seed")
+            if kw.get("seed", seed) != seed:
+                raise SamplingParamError("sampling_seed", "seed and sampling_seed differ (they "
+                                         "are two names of one parameter)")
+            kw["seed"] = seed
         params = cls(**kw)
         params.validate()
         return params
@@ -128,12 +143,14 @@ class SamplingParams:
             raise SamplingParamError("regex", "regex must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise SamplingParamError("stop_token_ids", "stop_token_ids must be >= 0")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise SamplingParamError("stream_interval", "stream_interval must be >= 1")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-_INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "n"}
+_INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "stream_interval"}
 _FLOAT_FIELDS = {
     "temperature",
     "top_p",
@@ -147,10 +164,10 @@ _BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "spaces_between_special_tok
 
 def _coerce(name: str, value: Any) -> Any:
     """Check the JSON type of one field. bool is not accepted where a number is meant."""
-    if name in _INT_FIELDS or name == "seed":
+    if name in _INT_FIELDS or name in ("seed", "sampling_seed"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise SamplingParamError(name, f"{name} must be an integer")
-        lo, hi = (-(2**63), 2**63 - 1) if name == "seed" else (-(2**31), 2**31 - 1)
+        lo, hi = (-(2**63), 2**63 - 1) if "seed" in name else (-(2**31), 2**31 - 1)
         if not lo <= value <= hi:
             raise SamplingParamError(name, f"{name} must be in [{lo}, {hi}]")
         return value
@@ -171,6 +188,21 @@ def _coerce(name: str, value: Any) -> Any:
                 raise SamplingParamError(name, "stop strings must be valid Unicode text")
             return tuple(stops)
         raise SamplingParamError(name, "stop must be a string or a list of strings")
+    if name == "stop_regex":
+        patterns = [value] if isinstance(value, str) else value
+        # (a tuple: from_dict of to_dict)
+        if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str)
+                                                              for p in patterns):
+            raise SamplingParamError(name, "stop_regex must be a string or a list of strings")
+        if len(patterns) > stop_patterns.MAX_STOP_REGEXES:
+            raise SamplingParamError(
+                name, f"at most {stop_patterns.MAX_STOP_REGEXES} stop_regex patterns are allowed")
+        for p in patterns:
+            why = "stop_regex must be valid Unicode text" if not is_valid_utf8(p) \
+                else stop_patterns.validate(p)
+            if why is not None:
+                raise SamplingParamError(name, why)
+        return tuple(dict.fromkeys(patterns))
     if name == "regex":
         if not isinstance(value, str) or not is_valid_utf8(value):
             raise SamplingParamError(name, "regex must be a string")
@@ -182,7 +214,9 @@ def _coerce(name: str, value: Any) -> Any:
             schema = json.loads(value) if isinstance(value, str) else value
             if not isinstance(schema, dict):
                 raise ValueError("not an object")
-            return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            # Not sorted: outlines-core writes the keys of an object in the order of its
+            # schema's `properties`, and clients (pydantic models) expect that order.
+            return json.dumps(schema, separators=(",", ":"))
         except (ValueError, TypeError) as e:
             raise SamplingParamError(name, f"json_schema must be a JSON object: {e}") from None
     if name == "stop_token_ids":

@@ -46,6 +46,7 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor, lifecycle: Any
     from srt.http import layer as http_layer
     from srt.http.errors import error_event
     from srt.http.lifecycle import beat_forever
+    from srt.managers import tokenize_api
     from srt.managers.openai_api import OpenAIAdapter
     from srt.managers.tokenizer_manager import RequestError, ServerFailure
     from srt.watchdog import Heartbeat
@@ -87,11 +88,14 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor, lifecycle: Any
         return _error(503, failure.reason if failure else "the server is not running", None,
                       "unhealthy")
 
+    # SGLang's current names (/model_info, /server_info) and the older get_ forms.
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info() -> Any:
         return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path,
                 "is_generation": True}
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info() -> Any:
         return {**http.public_args(), **(await tm.get_stats())}
@@ -119,6 +123,18 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor, lifecycle: Any
     @app.get("/v1/models")
     async def v1_models() -> Any:
         return openai.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def v1_model(model_id: str) -> Any:
+        return openai.model_card(model_id)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Any:
+        return tokenize_api.tokenize(openai, await read_json(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Any:
+        return tokenize_api.detokenize(openai, await read_json(request))
 
     @app.post("/v1/completions")
     async def v1_completions(request: Request) -> Any:

@@ -34,6 +34,8 @@ class SamplingParamsBody(_Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     stop: Union[str, list[str], None] = None
+    stop_regex: Union[str, list[str], None] = Field(
+        None, description="Regexes; the output stops at the first match (trimmed like stop).")
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
@@ -41,11 +43,14 @@ class SamplingParamsBody(_Strict):
     no_stop_trim: bool | None = None
     n: int | None = Field(None, ge=1, le=128)
     seed: int | None = None
+    sampling_seed: int | None = Field(None, description="SGLang's name of seed.")
+    stream_interval: int | None = Field(None, ge=1, description="Tokens per streamed chunk.")
     regex: str | None = None
     json_schema: Union[dict[str, Any], str, None] = None
 
 
 class _GenerateFields(_Strict):
+    model: str | None = Field(None, description="null, 'default' or the served model.")
     sampling_params: Union[SamplingParamsBody, list[SamplingParamsBody], None] = None
     stream: bool = False  # null is refused, unlike the other optional fields
     rid: Union[str, list[str], None] = None
@@ -91,6 +96,7 @@ class _OpenAICommon(_Strict):
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: Union[str, list[str], None] = None
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     regex: str | None = None
@@ -120,6 +126,20 @@ class ChatCompletionBody(_OpenAICommon):
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
+class TokenizeBody(_Strict):
+    model: str | None = None
+    prompt: Union[str, list[str], None] = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+
+class DetokenizeBody(_Strict):
+    model: str | None = None
+    tokens: Union[list[TokenId], list[list[TokenId]]]
+    skip_special_tokens: bool | None = None
+
+
 class AbortBody(BaseModel):
     rid: str = Field(min_length=1)
 
@@ -140,6 +160,8 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("POST", "/v1/completions"): CompletionBody,
     ("POST", "/v1/chat/completions"): ChatCompletionBody,
     ("POST", "/abort_request"): AbortBody,
+    ("POST", "/tokenize"): TokenizeBody,
+    ("POST", "/detokenize"): DetokenizeBody,
 }
 
 

@@ -1,7 +1,8 @@
-"""Incremental, UTF-8-safe detokenization of one request's output, with stop strings.
+"""Incremental, UTF-8-safe detokenization of one request's output, with stop strings and
+stop regexes.
 
 Used by the detokenizer process, which must stay light: this module imports only
-the standard library. The tokenizer is passed in and only its
+the standard library and srt/stop_regex.py. The tokenizer is passed in and only its
 ``decode(ids, skip_special_tokens=..., **kwargs) -> str`` method is used
 (any HF ``transformers`` tokenizer fits).
 
@@ -23,6 +24,8 @@ few tokens long (see ``_MAX_PENDING`` for the two ways it could otherwise grow).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from srt import stop_regex
 
 __all__ = ["DetokenizeState", "IncrementalDetokenizer"]
 
@@ -50,8 +53,8 @@ class DetokenizeState:
     * ``window[:read]`` are context ids (already in ``text``, or prompt context);
       ``window[read:]`` are pending ids, not yet in ``text``.
     * ``context_text`` is ``decode(window[:read])`` or None when not computed yet.
-    * ``stop_cut`` is None until a stop string is found in ``text``; then the text
-      shown is frozen at ``text[:stop_cut]``.
+    * ``stop_cut`` is None until a stop string or a stop regex match is found in
+      ``text``; then the text shown is frozen at ``text[:stop_cut]``.
     * ``stop_searched`` is a position in ``text`` before which no stop string
       starts (so each add only searches the new tail).
     """
@@ -87,6 +90,7 @@ class IncrementalDetokenizer:
         stop_strings: tuple[str, ...] = (),
         no_stop_trim: bool = False,
         spaces_between_special_tokens: bool = True,
+        stop_regexes: tuple[str, ...] = (),
     ) -> None:
         """
         Args:
@@ -100,6 +104,9 @@ class IncrementalDetokenizer:
             no_stop_trim: show a found stop string instead of cutting before it.
             spaces_between_special_tokens: passed to decode only when False (the HF
                 default is True, and not every tokenizer accepts the keyword).
+            stop_regexes: patterns at which the output ends, like stop strings (the
+                text is cut at the start of the earliest match, or after its end with
+                ``no_stop_trim``).
         """
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
@@ -110,6 +117,7 @@ class IncrementalDetokenizer:
         self._stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop_strings if s))
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._no_stop_trim = no_stop_trim
+        self._patterns: tuple[str, ...] = tuple(dict.fromkeys(stop_regexes))
 
         self.state = DetokenizeState()
         tail = list(prompt_ids_tail or ())
@@ -156,10 +164,15 @@ class IncrementalDetokenizer:
         text = st.text
         if self._stops:
             self._find_stop()
+        if self._patterns:
+            self._find_regex_stop()
         if st.stop_cut is not None:
             st.shown = text[: st.stop_cut]
-        elif self._stops and not self._no_stop_trim:
-            st.shown = text[: len(text) - self._stop_prefix_len(text)]
+        elif (self._stops or self._patterns) and not self._no_stop_trim:
+            keep = len(text) - self._stop_prefix_len(text)
+            if self._patterns:
+                keep = min(keep, stop_regex.hold_back_start(self._patterns, text))
+            st.shown = text[:keep]
         else:
             st.shown = text
         return st.shown
@@ -168,7 +181,9 @@ class IncrementalDetokenizer:
         """Return the final text: all output ids decoded at once, no hold-back.
 
         If ``matched_stop`` is a non-empty string and not ``no_stop_trim``, the text
-        is cut at its first occurrence (kept whole if it does not occur).  Any
+        is cut at its first occurrence (kept whole if it does not occur); when it is
+        one of the stop regexes (and not a stop string), at the start of its first
+        match.  Any
         other ``matched_stop`` (None, or e.g. an EOS token id) cuts nothing.
 
         With a usable prompt tail, the ids are decoded after it (and its text
@@ -178,7 +193,11 @@ class IncrementalDetokenizer:
         st = self.state
         text = self._decode_output()
         if isinstance(matched_stop, str) and matched_stop and not self._no_stop_trim:
-            pos = text.find(matched_stop)
+            if matched_stop not in self._stops and matched_stop in self._patterns:
+                found = stop_regex.first_match((matched_stop,), text)
+                pos = -1 if found is None else found[1]
+            else:
+                pos = text.find(matched_stop)
             if pos >= 0:
                 text = text[:pos]
         st.final_text = text
@@ -283,6 +302,16 @@ class IncrementalDetokenizer:
         else:
             # A stop string starting before this point would already end inside text.
             st.stop_searched = max(start, len(text) - self._max_stop_len + 1)
+
+    def _find_regex_stop(self) -> None:
+        """Lower ``stop_cut`` to the earliest stop regex match in ``state.text``, if any.
+        The whole text is searched: a pattern may match across any span of it."""
+        st = self.state
+        found = stop_regex.first_match(self._patterns, st.text)
+        if found is None:
+            return
+        cut = found[2] if self._no_stop_trim else found[1]
+        st.stop_cut = cut if st.stop_cut is None else min(st.stop_cut, cut)
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a

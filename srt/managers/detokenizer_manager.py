@@ -44,6 +44,7 @@ class DetokenizerManager:
                 stop_strings=tuple(o.stop),
                 no_stop_trim=o.no_stop_trim,
                 spaces_between_special_tokens=o.spaces_between_special_tokens,
+                stop_regexes=tuple(o.stop_regex),
             )
             self.states[o.rid] = det
         text = det.add(o.new_ids)

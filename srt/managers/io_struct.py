@@ -172,6 +172,7 @@ class TokenOut:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stop: list[str] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)
     no_stop_trim: bool = False
     # Logprobs, for requests that asked. The prompt's are sent once, with the first TokenOut after
     # the prompt was computed; output_logprobs has one entry per id of new_ids.

@@ -23,7 +23,9 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from srt import field_policy
 from srt.constrained.fsm import JSON_OBJECT_REGEX
+from srt.field_policy import FieldError, Surface
 from srt.managers.token_bytes import TokenBytes
 from srt.managers.tokenizer_manager import (
     MAX_TOP_LOGPROBS,
@@ -42,10 +44,8 @@ _SAMPLING_FIELDS = {
     "stop_token_ids": "stop_token_ids", "min_tokens": "min_new_tokens",
     "skip_special_tokens": "skip_special_tokens", "repetition_penalty": "repetition_penalty",
     "no_stop_trim": "no_stop_trim", "regex": "regex", "json_schema": "json_schema",
+    "stop_regex": "stop_regex",
 }
-_IGNORED = {"user", "metadata", "store", "service_tier", "stream_options", "model", "stream",
-            "max_tokens", "max_completion_tokens"}
-_NOT_YET = {"tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix"}
 
 
 def _response_format(value: Any) -> dict[str, Any]:
@@ -105,12 +105,21 @@ class OpenAIAdapter:
         return self._token_bytes(token_id, text)
 
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": 0, "owned_by": "srt"}]}
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self, model_id: str | None = None) -> dict[str, Any]:
+        """The served model's entry of /v1/models; GET /v1/models/{id} for another id is a
+        404 (RequestError)."""
+        # A path's empty segments are dropped (srt/http/auth.py): "/a/b" arrives as "a/b".
+        if model_id is not None and model_id.strip("/") != self.model.strip("/"):
+            raise RequestError(f"the model {model_id!r} does not exist; this server serves "
+                               f"{self.model!r}", "model", "model_not_found", status=404)
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "srt",
+                "root": self.model, "max_model_len": self.tm.limits.context_length}
 
     # ------------------------------------------------------------------ parsing
 
-    def _common(self, body: Any, endpoint_fields: set[str]) -> dict[str, Any]:
+    def _common(self, body: Any, surface: Surface) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object", None, "invalid_type")
         model = body.get("model")
@@ -119,18 +128,11 @@ class OpenAIAdapter:
         if model not in (self.model, "default"):
             raise RequestError(f"the model {model!r} does not exist; this server serves "
                                f"{self.model!r}", "model", "model_not_found", status=404)
-        for name in sorted(set(body) & _NOT_YET):
-            value = body[name]
-            if name in ("tools", "functions") and not value:
-                continue
-            if name in ("tool_choice", "function_call") and value in (None, "none"):
-                continue
-            raise RequestError(f"{name} is not supported yet", name, "unsupported")
+        try:
+            body = surface.apply(body)
+        except FieldError as e:
+            raise RequestError(str(e), e.name, e.code) from None
         self._check_best_of(body)
-        unknown = sorted(set(body) - _IGNORED - set(_SAMPLING_FIELDS) - endpoint_fields
-                         - {"best_of", "rid", "response_format"})
-        if unknown:
-            raise RequestError(f"unknown field {unknown[0]!r}", unknown[0], "unknown_field")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError("stream must be a boolean", "stream", "invalid_type")
@@ -188,7 +190,7 @@ class OpenAIAdapter:
             raise
 
     def parse_completion(self, body: Any) -> tuple[ParsedRequest, dict[str, Any]]:
-        c = self._common(body, {"prompt", "echo", "logprobs"})
+        c = self._common(body, field_policy.COMPLETION)
         prompt = body.get("prompt")
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                        and all(isinstance(p, str) for p in prompt)):
@@ -216,7 +218,7 @@ class OpenAIAdapter:
         return parsed, c
 
     def parse_chat(self, body: Any) -> tuple[ParsedRequest, dict[str, Any]]:
-        c = self._common(body, {"messages", "logprobs", "top_logprobs"})
+        c = self._common(body, field_policy.CHAT)
         logprobs = body.get("logprobs")
         if logprobs is not None and not isinstance(logprobs, bool):
             raise RequestError("logprobs must be a boolean", "logprobs", "invalid_type")
@@ -252,7 +254,8 @@ class OpenAIAdapter:
                 raise
             raise RequestError(f"the image_url part: {e}", "messages", e.code, e.status) from None
 
-    def _chat_ids(self, messages: Any) -> tuple[list[int], str | None]:
+    def _chat_ids(self, messages: Any,
+                  add_generation_prompt: bool = True) -> tuple[list[int], str | None]:
         """The templated prompt's token ids, and the URL of its image (at most one per
         request: an `image_url` part of a user message), or None."""
         if not isinstance(messages, list) or not messages:
@@ -290,27 +293,30 @@ class OpenAIAdapter:
                                "unsupported")
         roles = [m["role"] for m in messages]
         if not images:
-            return self._apply_template(roles, [_inline(p, "") for p in parts_per_message]), None
+            return self._apply_template(roles, [_inline(p, "") for p in parts_per_message],
+                                        add_generation_prompt), None
         token = self.tm.limits.image_token_id
         if token is None:
             raise RequestError("this model does not take images", "messages", "unsupported")
         # A template written for images renders {"type": "image"} parts itself; for one that
         # takes plain strings, the image token's text goes where the image part was.
         try:
-            ids = self._apply_template(roles, parts_per_message)
+            ids = self._apply_template(roles, parts_per_message, add_generation_prompt)
             if ids.count(token) == 1:
                 return ids, images[0]
         except RequestError:
             pass
         text = self.tm.tokenizer.convert_ids_to_tokens(token)
-        return self._apply_template(roles, [_inline(p, text) for p in parts_per_message]), \
-            images[0]
+        return self._apply_template(roles, [_inline(p, text) for p in parts_per_message],
+                                    add_generation_prompt), images[0]
 
-    def _apply_template(self, roles: list[str], contents: list[Any]) -> list[int]:
+    def _apply_template(self, roles: list[str], contents: list[Any],
+                        add_generation_prompt: bool = True) -> list[int]:
         conversation = [{"role": r, "content": c} for r, c in zip(roles, contents)]
         try:
             ids = self.tm.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, chat_template=self.chat_template
+                conversation, add_generation_prompt=add_generation_prompt,
+                chat_template=self.chat_template
             )
         except Exception as e:  # no template, or the template rejected the conversation
             raise RequestError(f"the chat template failed: {e}", "messages") from None

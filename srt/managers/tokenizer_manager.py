@@ -17,7 +17,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import zmq
 import zmq.asyncio
 
+from srt import field_policy
 from srt.constrained.fsm import FSMCache, constraint_regex
+from srt.field_policy import FieldError
 from srt.faults import fault_point
 from srt.managers.comm import AsyncPullSocket, PushSocket
 from srt.managers.image_processor import ImageLoader
@@ -280,12 +282,11 @@ class TokenizerManager:
         """Validate a /generate body. Raises RequestError naming the offending field."""
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object", None, "invalid_type")
-        known = {"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob",
-                 "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
-                 "image_data"}
-        unknown = sorted(set(body) - known)
-        if unknown:
-            raise RequestError(f"unknown field {unknown[0]!r}", unknown[0], "unknown_field")
+        try:
+            body = field_policy.GENERATE.apply(body)
+        except FieldError as e:
+            raise RequestError(str(e), e.name, e.code) from None
+        self._check_model(body.get("model"))
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
             raise RequestError("give exactly one of text and input_ids", "text")
@@ -362,6 +363,20 @@ class TokenizerManager:
             if not fsm.index.get_allowed_tokens(fsm.initial_state):
                 raise RequestError(f"{field_name} admits no output", field_name)
 
+    @property
+    def served_model_name(self) -> str:
+        return self.args.served_model_name or str(self.args.model_path)
+
+    def _check_model(self, model: Any) -> None:
+        """`model` on /generate (SGLang's gateway sends it, often null): null, "default" or the
+        served model's name."""
+        if model is None or model in ("default", self.served_model_name):
+            return
+        if not isinstance(model, str):
+            raise RequestError("model must be a string or null", "model", "invalid_type")
+        raise RequestError(f"the model {model!r} does not exist; this server serves "
+                           f"{self.served_model_name!r}", "model", "model_not_found", status=404)
+
     def _eos_id(self) -> int:
         eos = self.tokenizer.eos_token_id
         return int(eos) if eos is not None else self.limits.vocab_size
@@ -421,7 +436,7 @@ class TokenizerManager:
                 return [SamplingParams.from_dict(p) for p in raw]
             p = SamplingParams.from_dict(raw)
         except SamplingParamError as e:
-            raise RequestError(str(e), e.param) from None
+            raise RequestError(str(e), e.param, e.code) from None
         return [p] * n_prompts
 
     def _parse_rids(self, raw: Any, n: int) -> list[str]:

@@ -38,7 +38,8 @@ from srt.sampling_params import SamplingParamError, SamplingParams
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # JSON-like sampling params as the HTTP process sends them (lists, not tuples, on the wire)
-SP = {**SamplingParams().to_dict(), "stop": ["\n\n", "END"], "stop_token_ids": [2, 7],
+SP = {**SamplingParams().to_dict(), "stop": ["\n\n", "END"], "stop_regex": [r"\d+\."],
+      "stop_token_ids": [2, 7],
       "temperature": 0.7, "seed": 123}
 
 

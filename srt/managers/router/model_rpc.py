@@ -41,12 +41,13 @@ from srt.managers.router.infer_batch import Req, SamplingRows, build_sampling_in
 from srt.managers.router.logprob_step import StepLogprobs, prefix_limit
 from srt.managers.router.model_runner import ModelRunner
 from srt.managers.router.radix_cache import RadixCache, shared_prefix_len
-from srt.managers.router.scheduler import Admission, order_queue
+from srt.managers.router.scheduler import Admission, InRoundPrefixes, order_queue
 from srt.managers.router.step_inputs import StepInputBuilder
 from srt.managers.router.step_timing import StepTimer
 from srt.model_config import ModelConfig
 from srt.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
+from srt.stop_regex import match_stop
 
 logger = logging.getLogger(__name__)
 
@@ -378,12 +379,16 @@ class ModelRpcServer:
         )
         batch: list[Req] = []
         groups: set[str] = set()
+        shared = InRoundPrefixes()
         for r in queue:
             if r.fsm_pending:
                 continue  # its FSM is still compiling
             if r.group is not None and r.group in groups:
                 # A sibling sample is computing this prompt now: wait one round and reuse its KV.
                 continue
+            sharing = not self.tree.disable and not r.wants_prompt_logprobs
+            if sharing and shared.should_wait(r):
+                continue  # another request of this batch computes its prompt's next tokens
             node = r.last_node
             if not adm.try_admit(
                 r.extend_input_len,
@@ -393,7 +398,9 @@ class ModelRpcServer:
             ):
                 break
             batch.append(r)
-            if r.group is not None and not self.tree.disable and not r.wants_prompt_logprobs \
+            if sharing:
+                shared.add(r)
+            if r.group is not None and sharing \
                     and len(r.prefix_indices) < len(r.origin_input_ids) - 1:
                 # This batch computes the group's prompt. (Samples that want prompt logprobs
                 # compute it themselves anyway: they do not wait.)
@@ -756,18 +763,9 @@ class ModelRpcServer:
             req.finish_reason = {"type": "stop", "matched": None}
 
     def _match_stop_string(self, req: Req) -> str | None:
-        stops = req.sampling_params.stop
-        if not stops:
-            return None
-        # A character is at most 4 byte-level tokens: this tail always covers the longest stop.
-        tail_len = 4 * max(len(s) for s in stops) + 4
-        tail = self.tokenizer.decode(
-            req.output_ids[-tail_len:], skip_special_tokens=req.sampling_params.skip_special_tokens
-        )
-        for s in stops:
-            if s in tail:
-                return s
-        return None
+        p = req.sampling_params
+        return match_stop(lambda ids: self.tokenizer.decode(
+            ids, skip_special_tokens=p.skip_special_tokens), req.output_ids, p.stop, p.stop_regex)
 
     def _settle(self, batch: list[Req], outs: list[TokenOut], newly_running: bool) -> bool:
         """Jump forward where a pattern forces text, finish what finished, emit outputs, keep
@@ -785,7 +783,8 @@ class ModelRpcServer:
                 jumped_any = True
             else:
                 keep.append(r)
-            if r.stream and len(r.output_ids) - r.sent_len >= self.args.stream_interval:
+            interval = r.sampling_params.stream_interval or self.args.stream_interval
+            if r.stream and len(r.output_ids) - r.sent_len >= interval:
                 outs.append(self._token_out(r))
         if newly_running:
             self.running.extend(keep)
@@ -864,6 +863,7 @@ class ModelRpcServer:
             skip_special_tokens=p.skip_special_tokens,
             spaces_between_special_tokens=p.spaces_between_special_tokens,
             stop=list(p.stop),
+            stop_regex=list(p.stop_regex),
             no_stop_trim=p.no_stop_trim,
             input_logprobs=in_lp,
             output_logprobs=out_lp,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
@@ -105,3 +105,38 @@ class Admission:
         self.batch_new_tokens += extend_len
         self.admitted += 1
         return True
+
+
+# A request waits a round for another of its fill batch only when they share at least this
+# many uncomputed prompt tokens (SGLang's threshold): below it the wait costs more than it saves.
+IN_ROUND_SHARED_TOKENS = 32
+
+
+@dataclass
+class InRoundPrefixes:
+    """Requests of one fill round that would compute the same uncomputed prompt prefix.
+
+    A request's key is the radix node its cached prefix ends at and the next `min_shared` prompt
+    tokens after it: two requests with one key share that many tokens beyond what the tree holds.
+    Once a request with a key is in the batch, the next ones with that key wait a round; by then
+    the first has put its prompt in the tree and theirs matches it (`cached_tokens` counts it).
+    Keys name nodes by identity, so an instance lives for one round only.
+    """
+
+    min_shared: int = IN_ROUND_SHARED_TOKENS
+    keys: set[tuple[int, tuple[int, ...]]] = field(default_factory=set)
+
+    def _key(self, r: Any) -> tuple[int, tuple[int, ...]] | None:
+        m = len(r.prefix_indices)
+        if len(r.fill_ids) < m + self.min_shared:
+            return None
+        return id(r.last_node), tuple(r.fill_ids[m : m + self.min_shared])
+
+    def should_wait(self, r: Any) -> bool:
+        key = self._key(r)
+        return key is not None and key in self.keys
+
+    def add(self, r: Any) -> None:
+        key = self._key(r)
+        if key is not None:
+            self.keys.add(key)
