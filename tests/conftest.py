@@ -176,3 +176,14 @@ def _kv_invariant_after_e2e(request: Any) -> Any:
         srv = request.node.funcargs.get(name)
         if isinstance(srv, ServerProcess) and srv.proc is not None and srv.proc.poll() is None:
             srv.assert_kv_invariant()
+
+
+@pytest.fixture(scope="session")
+def sglang_clients() -> str:
+    """The folder holding SGLang's own clients (the frontend language and the smg gateway),
+    installed by scripts/sglang_clients.sh; put it on PYTHONPATH of the processes that run
+    them (never of this one: importing sglang patches transformers)."""
+    out = subprocess.run(["bash", os.path.join(REPO, "scripts", "sglang_clients.sh")],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
