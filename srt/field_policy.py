@@ -19,6 +19,7 @@ loads the sampling parameters' surface).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -93,10 +94,8 @@ class Surface:
 
 
 def _describe(rule: NoOp) -> str:
-    values = [None, rule.default, *rule.also]
-    shown = dict.fromkeys("null" if v is None else repr(v).replace("False", "false")
-                          .replace("True", "true") for v in values)
-    return ", ".join(shown)
+    """The no-op values as JSON: "null, false"."""
+    return ", ".join(dict.fromkeys(json.dumps(v) for v in (None, rule.default, *rule.also)))
 
 
 def _nulls(*names: str) -> dict[str, NoOp]:

@@ -105,6 +105,8 @@ def test_frontend_flush_cache_and_server_info(frontend: dict[str, Any]) -> None:
 # ------------------------------------------------------------------ behind the smg gateway
 
 WORKER_ARGS = [*BASE_ARGS, "--max-total-tokens", "8192", "--host", "127.0.0.1"]
+API_KEY = "srt-test-key"  # on the workers and the gateway, as a deployment would have it
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 class Gateway:
@@ -115,7 +117,7 @@ class Gateway:
         fd, self.log_path = tempfile.mkstemp(prefix="smg-", suffix=".log")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sglang_router", "launch", "--host", "127.0.0.1",
-             "--port", str(self.port), "--policy", "cache_aware",
+             "--port", str(self.port), "--policy", "cache_aware", "--api-key", API_KEY,
              # its metrics listener takes a fixed port otherwise
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
              "--worker-urls", *workers],
@@ -136,7 +138,7 @@ class Gateway:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log()[-4000:]
             try:
-                r = requests.post(self.url + "/generate", timeout=30, json={
+                r = requests.post(self.url + "/generate", timeout=30, headers=AUTH, json={
                     "text": "Hi", "sampling_params": {"max_new_tokens": 1}})
                 if r.status_code == 200:
                     return
@@ -157,7 +159,8 @@ class Gateway:
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir: str, sglang_clients: str) -> Iterator[tuple[Gateway, list[Any]]]:
-    workers = [ServerProcess(list(WORKER_ARGS)).start() for _ in range(2)]
+    workers = [ServerProcess(list(WORKER_ARGS), env={"SRT_API_KEY": API_KEY}).start()
+               for _ in range(2)]
     gateway = Gateway(sglang_clients, [w.url for w in workers])
     try:
         gateway.wait_ready()
@@ -166,6 +169,16 @@ def cluster(smollm2_dir: str, sglang_clients: str) -> Iterator[tuple[Gateway, li
         gateway.stop()
         for w in workers:
             w.stop()
+
+
+def _post(url: str, path: str, body: dict[str, Any], **kw: Any) -> requests.Response:
+    return requests.post(url + path, json=body, headers=AUTH, timeout=300, **kw)
+
+
+def _generate(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = _post(url, "/generate", body)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 def _sse(r: requests.Response) -> list[dict[str, Any]]:
@@ -178,21 +191,20 @@ def test_gateway_generate(cluster: tuple[Gateway, list[Any]]) -> None:
     gateway, workers = cluster
     body = {"text": "The capital of France is",
             "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
-    direct = workers[0].generate(body)
-    via = requests.post(gateway.url + "/generate", json=body, timeout=300)
-    assert via.status_code == 200, via.text
-    assert via.json()["text"] == direct["text"]
-    assert via.json()["output_ids"] == direct["output_ids"]
-    events = _sse(requests.post(gateway.url + "/generate", json={**body, "stream": True},
-                                stream=True, timeout=300))
+    direct = _generate(workers[0].url, body)
+    via = _generate(gateway.url, body)
+    assert via["text"] == direct["text"] and via["output_ids"] == direct["output_ids"]
+    events = _sse(_post(gateway.url, "/generate", {**body, "stream": True}, stream=True))
     assert events[-1]["text"] == direct["text"]
     assert events[-1]["meta_info"]["finish_reason"] == direct["meta_info"]["finish_reason"]
+    # the gateway asks its clients for the key too
+    assert requests.post(gateway.url + "/generate", json=body, timeout=60).status_code == 401
 
 
 def test_gateway_openai(cluster: tuple[Gateway, list[Any]]) -> None:
     gateway, workers = cluster
-    direct = openai.OpenAI(base_url=workers[1].url + "/v1", api_key="none")
-    via = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none")
+    direct = openai.OpenAI(base_url=workers[1].url + "/v1", api_key=API_KEY)
+    via = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY)
     model = direct.models.list().data[0].id
     assert model in [m.id for m in via.models.list().data]
     kw = {"model": model, "max_tokens": 12, "temperature": 0}
@@ -219,16 +231,13 @@ def test_gateway_openai(cluster: tuple[Gateway, list[Any]]) -> None:
 def test_gateway_cache_aware(cluster: tuple[Gateway, list[Any]]) -> None:
     gateway, workers = cluster
     prefix = f"Note {uuid.uuid4().hex}. " + "The library opens at nine and closes at five. " * 22
-    n_prefix = len(requests.post(workers[0].url + "/tokenize", json={"prompt": prefix},
-                                 timeout=30).json()["tokens"])
+    n_prefix = len(_post(workers[0].url, "/tokenize", {"prompt": prefix}).json()["tokens"])
     assert n_prefix >= 200
     cached = []
     for i in range(8):
-        r = requests.post(gateway.url + "/generate", timeout=300, json={
-            "text": prefix + f"Question {i}: when does it open?",
-            "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
-        assert r.status_code == 200, r.text
-        cached.append(r.json()["meta_info"]["cached_tokens"])
+        out = _generate(gateway.url, {"text": prefix + f"Question {i}: when does it open?",
+                                      "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        cached.append(out["meta_info"]["cached_tokens"])
     assert all(c >= 200 for c in cached[1:]), cached
 
 
@@ -236,12 +245,12 @@ def test_gateway_survives_a_dead_worker(cluster: tuple[Gateway, list[Any]]) -> N
     gateway, workers = cluster
     body = {"sampling_params": {"max_new_tokens": 6, "temperature": 0}}
     prompts = [f"Tell me about the number {i}." for i in range(6)]
-    want = [workers[0].generate({**body, "text": p})["text"] for p in prompts]
+    want = [_generate(workers[0].url, {**body, "text": p})["text"] for p in prompts]
     os.killpg(workers[1].proc.pid, signal.SIGKILL)  # the whole server, at once
     workers[1].proc.wait(10)
     got = []
     for p in prompts:
-        r = requests.post(gateway.url + "/generate", json={**body, "text": p}, timeout=300)
+        r = _post(gateway.url, "/generate", {**body, "text": p})
         assert r.status_code == 200, (r.status_code, r.text, gateway.log()[-3000:])
         got.append(r.json()["text"])
     assert got == want

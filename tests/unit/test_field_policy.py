@@ -94,3 +94,24 @@ def test_apply_drops_noops_and_keeps_implemented() -> None:
         field_policy.GENERATE.apply({"text": "hi", "log_metrics": False, "background": True})
     assert e.value.code == "unsupported" and e.value.name == "background"  # first by name
     assert "background" in str(e.value)
+
+
+README_LINES = {field_policy.SAMPLING.where: "- `sampling_params`:",
+                field_policy.GENERATE.where: "- `POST /generate`:",
+                field_policy.COMPLETION.where: "- `POST /v1/completions`:",
+                field_policy.CHAT.where: "- `POST /v1/chat/completions`:",
+                field_policy.TOKENIZE.where: "- `POST /tokenize`:"}
+
+
+def test_readme_lists_the_unimplemented_fields() -> None:
+    import re
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    surfaces = {s.where: s for s in field_policy.SURFACES if s.unsupported}
+    assert set(surfaces) == set(README_LINES)
+    for where, start in README_LINES.items():
+        surface = surfaces[where]
+        line = next(ln for ln in readme.splitlines() if ln.startswith(start))
+        listed = set(re.findall(r"`([a-z_0-9]+)`", line[len(start):]))
+        assert listed == set(surface.unsupported), (surface.where,
+                                                    listed ^ set(surface.unsupported))
