@@ -28,6 +28,9 @@ MAX_STOP_REGEX_BYTES = 256
 # The widest match for which the model process decodes only a tail of the output; a pattern
 # that may match more characters (or whose width is unknown) is searched in the whole output.
 MAX_TAIL_CHARS = 4096
+# One search of one pattern may take this long; past it `TimeoutError` (a pattern that
+# backtracks without bound must not stall the model process or the detokenizer).
+SEARCH_TIMEOUT_S = 0.1
 
 
 @functools.lru_cache(maxsize=1024)
@@ -75,20 +78,21 @@ def tail_tokens(patterns: Iterable[str]) -> int | None:
 
 def first_match(patterns: Iterable[str], text: str) -> tuple[str, int, int] | None:
     """(pattern, start, end) of the earliest-starting match of any pattern in `text` (ties: the
-    pattern listed first), or None."""
+    pattern listed first), or None. Raises TimeoutError for a search over SEARCH_TIMEOUT_S."""
     best: tuple[str, int, int] | None = None
     for p in patterns:
-        m = compiled(p).search(text)
+        m = compiled(p).search(text, timeout=SEARCH_TIMEOUT_S)
         if m is not None and (best is None or m.start() < best[1]):
             best = (p, m.start(), m.end())
     return best
 
 
 def hold_back_start(patterns: Iterable[str], text: str) -> int:
-    """Where the tail of `text` that may still grow into a match begins (len(text) if none)."""
+    """Where the tail of `text` that may still grow into a match begins (len(text) if none).
+    Raises TimeoutError like first_match."""
     start = len(text)
     for p in patterns:
-        m = compiled(p).search(text, partial=True)
+        m = compiled(p).search(text, partial=True, timeout=SEARCH_TIMEOUT_S)
         if m is not None and m.partial:
             start = min(start, m.start())
     return start
@@ -98,7 +102,8 @@ def match_stop(decode: Callable[[list[int]], str], output_ids: list[int],
                stops: tuple[str, ...], patterns: tuple[str, ...]) -> str | None:
     """The stop string, else the stop_regex pattern, that occurs in the decoded tail of
     `output_ids` that could hold one ending at the newest token (the whole output for a pattern
-    of unbounded width); None if none does. `decode(ids)` gives the ids' text."""
+    of unbounded width); None if none does. `decode(ids)` gives the ids' text. Raises
+    TimeoutError like first_match."""
     if not stops and not patterns:
         return None
     # A character is at most 4 byte-level tokens: these tails cover the longest stop string

@@ -171,7 +171,7 @@ class IncrementalDetokenizer:
         elif (self._stops or self._patterns) and not self._no_stop_trim:
             keep = len(text) - self._stop_prefix_len(text)
             if self._patterns:
-                keep = min(keep, stop_regex.hold_back_start(self._patterns, text))
+                keep = min(keep, self._regex_hold_back(text))
             st.shown = text[:keep]
         else:
             st.shown = text
@@ -194,7 +194,7 @@ class IncrementalDetokenizer:
         text = self._decode_output()
         if isinstance(matched_stop, str) and matched_stop and not self._no_stop_trim:
             if matched_stop not in self._stops and matched_stop in self._patterns:
-                found = stop_regex.first_match((matched_stop,), text)
+                found = self._regex_match(text, (matched_stop,))
                 pos = -1 if found is None else found[1]
             else:
                 pos = text.find(matched_stop)
@@ -307,11 +307,25 @@ class IncrementalDetokenizer:
         """Lower ``stop_cut`` to the earliest stop regex match in ``state.text``, if any.
         The whole text is searched: a pattern may match across any span of it."""
         st = self.state
-        found = stop_regex.first_match(self._patterns, st.text)
+        found = self._regex_match(st.text, self._patterns)
         if found is None:
             return
         cut = found[2] if self._no_stop_trim else found[1]
         st.stop_cut = cut if st.stop_cut is None else min(st.stop_cut, cut)
+
+    # A search past stop_regex.SEARCH_TIMEOUT_S (the model process aborts such a request)
+    # counts as no match here: the text is shown as it is.
+    def _regex_match(self, text: str, patterns: tuple[str, ...]) -> tuple[str, int, int] | None:
+        try:
+            return stop_regex.first_match(patterns, text)
+        except TimeoutError:
+            return None
+
+    def _regex_hold_back(self, text: str) -> int:
+        try:
+            return stop_regex.hold_back_start(self._patterns, text)
+        except TimeoutError:
+            return len(text)
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a

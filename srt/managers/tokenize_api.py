@@ -26,9 +26,7 @@ def _fields(body: Any, surface: Surface, adapter: OpenAIAdapter) -> dict[str, An
         body = surface.apply(body)
     except FieldError as e:
         raise RequestError(str(e), e.name, e.code) from None
-    model = body.get("model")
-    if model is not None:
-        adapter.model_card(model if model != "default" else None)
+    adapter.tm.check_model(body.get("model"))
     return body
 
 

@@ -286,7 +286,7 @@ class TokenizerManager:
             body = field_policy.GENERATE.apply(body)
         except FieldError as e:
             raise RequestError(str(e), e.name, e.code) from None
-        self._check_model(body.get("model"))
+        self.check_model(body.get("model"))
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
             raise RequestError("give exactly one of text and input_ids", "text")
@@ -367,9 +367,9 @@ class TokenizerManager:
     def served_model_name(self) -> str:
         return self.args.served_model_name or str(self.args.model_path)
 
-    def _check_model(self, model: Any) -> None:
-        """`model` on /generate (SGLang's gateway sends it, often null): null, "default" or the
-        served model's name."""
+    def check_model(self, model: Any) -> None:
+        """`model` on /generate (SGLang's gateway sends it, often null), /tokenize and
+        /detokenize: null, "default" or the served model's name (404 otherwise)."""
         if model is None or model in ("default", self.served_model_name):
             return
         if not isinstance(model, str):

@@ -55,7 +55,8 @@ def cheapen(body: Any) -> Any:
         for name in BUDGETS:
             if isinstance(p.get(name), int) and not isinstance(p[name], bool):
                 p[name] = min(p[name], 2)
-        if "messages" in p and p.get("max_tokens") is None and "max_completion_tokens" not in p:
+        if "messages" in p and p.get("max_tokens") is None \
+                and p.get("max_completion_tokens") is None:
             p["max_tokens"] = 2  # the chat default is "the rest of the context"
         if isinstance(p.get("n"), int) and not isinstance(p["n"], bool) and p["n"] > 2:
             p["n"] = 2

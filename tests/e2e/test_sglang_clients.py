@@ -242,15 +242,23 @@ def test_gateway_cache_aware(cluster: tuple[Gateway, list[Any]]) -> None:
 
 
 def test_gateway_survives_a_dead_worker(cluster: tuple[Gateway, list[Any]]) -> None:
+    """Kill the worker that holds a prefix: the gateway's cache-aware choice for requests with
+    that prefix is then a dead worker, and the other must serve them."""
     gateway, workers = cluster
-    body = {"sampling_params": {"max_new_tokens": 6, "temperature": 0}}
-    prompts = [f"Tell me about the number {i}." for i in range(6)]
-    want = [_generate(workers[0].url, {**body, "text": p})["text"] for p in prompts]
-    os.killpg(workers[1].proc.pid, signal.SIGKILL)  # the whole server, at once
-    workers[1].proc.wait(10)
-    got = []
+    prefix = f"Log {uuid.uuid4().hex}. " + "The ferry leaves the harbour every hour. " * 24
+    params = {"max_new_tokens": 6, "temperature": 0}
+    for i in range(2):
+        _generate(gateway.url, {"text": prefix + f"Entry {i}.", "sampling_params": params})
+    probe = {"text": prefix + "Probe.", "sampling_params": {"max_new_tokens": 0}}
+    cached = [_generate(w.url, probe)["meta_info"]["cached_tokens"] for w in workers]
+    owner = max(range(2), key=lambda k: cached[k])
+    assert cached[owner] >= 200 > cached[1 - owner], cached  # one worker holds the prefix
+    os.killpg(workers[owner].proc.pid, signal.SIGKILL)  # the whole server, at once
+    workers[owner].proc.wait(10)
+    survivor = workers[1 - owner]
+    prompts = [prefix + f"Question {i}: how often does it leave?" for i in range(6)]
     for p in prompts:
-        r = _post(gateway.url, "/generate", {**body, "text": p})
+        r = _post(gateway.url, "/generate", {"text": p, "sampling_params": params})
         assert r.status_code == 200, (r.status_code, r.text, gateway.log()[-3000:])
-        got.append(r.json()["text"])
-    assert got == want
+        assert r.json()["text"] == _generate(survivor.url, {
+            "text": p, "sampling_params": params})["text"]

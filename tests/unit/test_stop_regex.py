@@ -119,3 +119,14 @@ def test_random_texts_match_a_full_search(smollm2_tokenizer: Any) -> None:
         # decoded; the cut is at the first match either way
         assert out == expect, (text, out)
         assert all(out.startswith(s) for s in shown), (text, shown, out)
+
+
+def test_a_search_that_backtracks_without_bound_times_out(smollm2_tokenizer: Any) -> None:
+    """The model process turns the TimeoutError into an abort; the detokenizer shows the text."""
+    tok, pattern = smollm2_tokenizer, r"(a|aa)+$"
+    text = "a" * 28 + "!"
+    with pytest.raises(TimeoutError):
+        stop_regex.match_stop(tok.decode, tok.encode(text), (), (pattern,))
+    det = IncrementalDetokenizer(tok, stop_regexes=(pattern,))
+    assert det.add(tok.encode(text)) == text
+    assert det.finish(pattern) == text

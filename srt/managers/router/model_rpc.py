@@ -47,7 +47,7 @@ from srt.managers.router.step_timing import StepTimer
 from srt.model_config import ModelConfig
 from srt.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
-from srt.stop_regex import match_stop
+from srt.stop_regex import SEARCH_TIMEOUT_S, match_stop
 
 logger = logging.getLogger(__name__)
 
@@ -752,7 +752,12 @@ class ModelRpcServer:
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
                 req.finish_reason = {"type": "stop", "matched": tok}
                 return
-            matched = self._match_stop_string(req)
+            try:
+                matched = self._match_stop_string(req)
+            except TimeoutError:
+                req.finish_reason = {"type": "abort", "message": "a stop_regex took over "
+                                     f"{SEARCH_TIMEOUT_S} s to search the output"}
+                return
             if matched is not None:
                 req.finish_reason = {"type": "stop", "matched": matched}
                 return
