@@ -226,8 +226,10 @@ class OpenAIAdapter:
         if top is not None and not logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         ids, image = self._chat_ids(body.get("messages"))
-        budget_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        # max_completion_tokens, unless it is absent or null (SGLang's gateway sends both)
+        budget_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        max_tokens = body.get(budget_name)
         if max_tokens is None:  # OpenAI's default: as much as the context leaves
             limits = self.tm.limits
             # an image fills image_tokens positions in place of its one token

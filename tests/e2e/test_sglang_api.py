@@ -282,3 +282,11 @@ def test_one_round_computes_a_shared_prefix_once(server: Any) -> None:
     assert requests.post(server.url + "/flush_cache", timeout=60).status_code == 200
     alone = [server.generate({"text": t, "sampling_params": params})["text"] for t in texts]
     assert [o["text"] for o in out] == alone
+
+
+def test_chat_null_max_completion_tokens_falls_back_to_max_tokens(server: Any) -> None:
+    body = {"model": "default", "messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_completion_tokens": None, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    r = _post(server.url, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
