@@ -2,8 +2,9 @@
 
 `/v1/completions` and `/v1/chat/completions` are translated into native /generate requests, so
 they share one validation path (errors keep OpenAI's field names) and one way to run requests.
-Fields that are not implemented (tools, suffix, best_of > n, more than one image) are refused
-with a 400 naming the field rather than ignored. Chat takes one `image_url` part in a user
+Fields that are not implemented (tools, suffix, logit_bias, ...: srt/field_policy.py) are
+accepted only at a no-op value and otherwise refused with a 400 naming the field, as are best_of
+> n and more than one image. Chat takes one `image_url` part in a user
 message (for a model with images); the chat template places the image token.
 
 Logprobs come from the native ones (the model's distribution: log_softmax of the raw logits).
@@ -25,13 +26,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from srt import field_policy
 from srt.constrained.fsm import JSON_OBJECT_REGEX
-from srt.field_policy import FieldError, Surface
+from srt.field_policy import Surface
 from srt.managers.token_bytes import TokenBytes
 from srt.managers.tokenizer_manager import (
     MAX_TOP_LOGPROBS,
     ParsedRequest,
     RequestError,
     TokenizerManager,
+    checked_fields,
 )
 
 # native name -> OpenAI name, for error messages (the prompt's name is set per endpoint)
@@ -128,10 +130,7 @@ class OpenAIAdapter:
         if model not in (self.model, "default"):
             raise RequestError(f"the model {model!r} does not exist; this server serves "
                                f"{self.model!r}", "model", "model_not_found", status=404)
-        try:
-            body = surface.apply(body)
-        except FieldError as e:
-            raise RequestError(str(e), e.name, e.code) from None
+        body = checked_fields(surface, body)
         self._check_best_of(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -225,7 +224,7 @@ class OpenAIAdapter:
         top = self._top_count(body, "top_logprobs")
         if top is not None and not logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-        ids, image = self._chat_ids(body.get("messages"))
+        ids, image = self.chat_ids(body.get("messages"))
         # max_completion_tokens, unless it is absent or null (SGLang's gateway sends both)
         budget_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
             else "max_tokens"
@@ -256,7 +255,7 @@ class OpenAIAdapter:
                 raise
             raise RequestError(f"the image_url part: {e}", "messages", e.code, e.status) from None
 
-    def _chat_ids(self, messages: Any,
+    def chat_ids(self, messages: Any,
                   add_generation_prompt: bool = True) -> tuple[list[int], str | None]:
         """The templated prompt's token ids, and the URL of its image (at most one per
         request: an `image_url` part of a user message), or None."""

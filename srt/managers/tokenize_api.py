@@ -13,19 +13,16 @@ from __future__ import annotations
 from typing import Any
 
 from srt import field_policy
-from srt.field_policy import FieldError, Surface
+from srt.field_policy import Surface
 from srt.managers.openai_api import OpenAIAdapter
-from srt.managers.tokenizer_manager import RequestError
+from srt.managers.tokenizer_manager import RequestError, checked_fields
 from srt.sampling_params import is_valid_utf8
 
 
 def _fields(body: Any, surface: Surface, adapter: OpenAIAdapter) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", None, "invalid_type")
-    try:
-        body = surface.apply(body)
-    except FieldError as e:
-        raise RequestError(str(e), e.name, e.code) from None
+    body = checked_fields(surface, body)
     adapter.tm.check_model(body.get("model"))
     return body
 
@@ -46,7 +43,7 @@ def tokenize(adapter: OpenAIAdapter, body: Any) -> dict[str, Any]:
     if (prompt is None) == (messages is None):
         raise RequestError("give exactly one of prompt and messages", "prompt")
     if messages is not None:
-        ids, _ = adapter._chat_ids(messages, _flag(body, "add_generation_prompt", True))
+        ids, _ = adapter.chat_ids(messages, _flag(body, "add_generation_prompt", True))
         return {"tokens": ids, "count": len(ids), "max_model_len": tm.limits.context_length}
     special = _flag(body, "add_special_tokens", True)
     prompts = [prompt] if isinstance(prompt, str) else prompt

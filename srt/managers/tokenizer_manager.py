@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from srt import field_policy
 from srt.constrained.fsm import FSMCache, constraint_regex
-from srt.field_policy import FieldError
+from srt.field_policy import FieldError, Surface
 from srt.faults import fault_point
 from srt.managers.comm import AsyncPullSocket, PushSocket
 from srt.managers.image_processor import ImageLoader
@@ -54,6 +54,14 @@ class RequestError(ValueError):
         self.param = param
         self.code = code
         self.status = status
+
+
+def checked_fields(surface: Surface, body: dict[str, Any]) -> dict[str, Any]:
+    """`surface.apply(body)` (srt/field_policy.py), its refusal as a RequestError."""
+    try:
+        return surface.apply(body)
+    except FieldError as e:
+        raise RequestError(str(e), e.name, e.code) from None
 
 
 class ServerFailure(RuntimeError):
@@ -282,10 +290,7 @@ class TokenizerManager:
         """Validate a /generate body. Raises RequestError naming the offending field."""
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object", None, "invalid_type")
-        try:
-            body = field_policy.GENERATE.apply(body)
-        except FieldError as e:
-            raise RequestError(str(e), e.name, e.code) from None
+        body = checked_fields(field_policy.GENERATE, body)
         self.check_model(body.get("model"))
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
