@@ -6,7 +6,7 @@
 It starts the same router, model and detokenizer processes as the server and talks to them
 through a TokenizerManager whose event loop runs on a private thread, so `generate` is a plain
 blocking call returning exactly what `POST /generate` returns (one dict, or a list of them for a
-batch). Bad input raises `srt.managers.tokenizer_manager.RequestError`; a dead child process
+batch). Bad input raises `srt.managers.request_types.RequestError`; a dead child process
 raises RuntimeError naming it.
 """
 

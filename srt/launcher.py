@@ -157,7 +157,7 @@ class Runtime:
     args: ServerArgs
     ports: PortArgs
     supervisor: Supervisor
-    limits: Any  # srt.managers.tokenizer_manager.ModelLimits
+    limits: Any  # srt.managers.request_types.ModelLimits
     model_info: dict[str, Any]
 
     def stop(self) -> None:
@@ -186,7 +186,7 @@ def start_runtime(args: ServerArgs, name: str = "launcher process") -> Runtime:
     from srt.managers.detokenizer_manager import run_detokenizer_process
     from srt.managers.router.manager import run_router_process
     from srt.managers.router.model_rpc import run_model_process
-    from srt.managers.tokenizer_manager import ModelLimits
+    from srt.managers.request_types import ModelLimits
 
     logger.info("starting srt: model %s, tp_size %d", args.model_path, args.tp_size)
     ports = PortArgs.create(args.tp_size)

@@ -48,7 +48,7 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor, lifecycle: Any
     from srt.http.lifecycle import beat_forever
     from srt.managers import tokenize_api
     from srt.managers.openai_api import OpenAIAdapter
-    from srt.managers.tokenizer_manager import RequestError, ServerFailure
+    from srt.managers.request_types import RequestError, ServerFailure
     from srt.watchdog import Heartbeat
 
     chat_template = None

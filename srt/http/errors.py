@@ -78,7 +78,7 @@ def install_error_handlers(app: Any) -> None:
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from srt.managers.tokenizer_manager import RequestError, ServerFailure
+    from srt.managers.request_types import RequestError, ServerFailure
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Any:

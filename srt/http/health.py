@@ -12,7 +12,7 @@ import logging
 import uuid
 from typing import Any
 
-from srt.managers.tokenizer_manager import ServerFailure
+from srt.managers.request_types import ServerFailure
 
 logger = logging.getLogger("srt.http")
 

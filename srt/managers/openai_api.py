@@ -28,13 +28,13 @@ from srt import field_policy
 from srt.constrained.fsm import JSON_OBJECT_REGEX
 from srt.field_policy import Surface
 from srt.managers.token_bytes import TokenBytes
-from srt.managers.tokenizer_manager import (
+from srt.managers.request_types import (
     MAX_TOP_LOGPROBS,
     ParsedRequest,
     RequestError,
-    TokenizerManager,
     checked_fields,
 )
+from srt.managers.tokenizer_manager import TokenizerManager
 
 # native name -> OpenAI name, for error messages (the prompt's name is set per endpoint)
 _FIELD_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}

@@ -15,7 +15,7 @@ from typing import Any
 from srt import field_policy
 from srt.field_policy import Surface
 from srt.managers.openai_api import OpenAIAdapter
-from srt.managers.tokenizer_manager import RequestError, checked_fields
+from srt.managers.request_types import RequestError, checked_fields
 from srt.sampling_params import is_valid_utf8
 
 

@@ -1,25 +1,22 @@
-"""TokenizerManager: validation, tokenization and per-request state in the HTTP process.
+"""TokenizerManager: the HTTP process's end of the ring.
 
-Nothing invalid crosses into the other processes: `parse_generate_request` turns a JSON body into
-validated single-sample requests or raises RequestError naming the field. Results come back from
-the detokenizer and are routed to each request's queue by rid.
+It validates and tokenizes each request (request_parse.py; regexes, JSON schemas and images
+here, off the event loop), registers a state per sample (request_state.py), sends the samples to
+the router, and routes the detokenizer's results to each sample's queue by wire rid. Every
+request in flight ends with an answer, an abort, or ServerFailure once the server has failed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import zmq
 import zmq.asyncio
 
-from srt import field_policy
 from srt.constrained.fsm import FSMCache, constraint_regex
-from srt.field_policy import FieldError, Surface
 from srt.faults import fault_point
 from srt.managers.comm import AsyncPullSocket, PushSocket
 from srt.managers.image_processor import ImageLoader
@@ -30,144 +27,25 @@ from srt.managers.io_struct import (
     FlushCacheOut,
     FlushCacheReq,
     GetStatsReq,
-    ImageInput,
-    LogprobOptions,
     StatsOut,
     StrOut,
     TokenizedGenerateReq,
-    TokenLogprobs,
 )
-from srt.sampling_params import SamplingParamError, SamplingParams, is_valid_utf8
+from srt.managers.request_parse import RequestParser
+from srt.managers.request_state import Failed, LogprobState, ReqState
+from srt.managers.request_types import (
+    ModelLimits,
+    ParsedRequest,
+    RequestError,
+    ServerFailure,
+    checked_fields,
+)
 from srt.server_args import PortArgs, ServerArgs
 
+# Callers and tests import these from here as well as from request_types.
+__all__ = ["TokenizerManager", "RequestError", "checked_fields"]
+
 logger = logging.getLogger(__name__)
-
-MAX_TOP_LOGPROBS = 20
-
-
-class RequestError(ValueError):
-    """A client error: answered with HTTP 400 and {"error": {message, type, param, code}}."""
-
-    def __init__(self, message: str, param: str | None, code: str = "invalid_value",
-                 status: int = 400) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
-        self.status = status
-
-
-def checked_fields(surface: Surface, body: dict[str, Any]) -> dict[str, Any]:
-    """`surface.apply(body)` (srt/field_policy.py), its refusal as a RequestError."""
-    try:
-        return surface.apply(body)
-    except FieldError as e:
-        raise RequestError(str(e), e.name, e.code) from None
-
-
-class ServerFailure(RuntimeError):
-    """The server cannot finish the request: a process died or stalled. Answered with HTTP 503
-    and code "server_failed" (a stream ends with one error event)."""
-
-
-@dataclass(frozen=True)
-class _Failed:
-    """Put on a request's queue when the server fails: its consumer raises ServerFailure."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What the model process reported at start-up; requests are checked against it."""
-
-    context_length: int
-    vocab_size: int
-    max_total_num_tokens: int
-    # Image input (LLaVA; None / 0 for a text-only model): the image token, the positions one
-    # image fills in the prompt, and the side of the square image the vision tower takes.
-    image_token_id: int | None = None
-    image_tokens: int = 0
-    image_size: int = 0
-
-
-@dataclass
-class SingleRequest:
-    rid: str  # the client's id, reported back in meta_info
-    input_ids: list[int]
-    params: SamplingParams
-    index: int  # position in the answer list
-    group: str | None  # internal id shared by the samples of one prompt (n > 1)
-    logprob: LogprobOptions | None = None
-    parent_rid: str = ""  # the client's rid of the prompt (n > 1: the samples' rid is rid-k)
-    image_source: str | None = None  # the prompt's image_data entry
-    image: ImageInput | None = None  # set by load_images
-    prompt_len: int = 0  # tokens of the prompt in the KV cache (an image counts its positions)
-    # Internal id on the wire: unique per submission, so a client reusing a rid right after an
-    # abort can never be confused with the request being aborted.
-    wire_rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-
-@dataclass
-class ParsedRequest:
-    reqs: list[SingleRequest]
-    stream: bool
-    is_batch: bool  # answer with a list
-
-
-def _triples(lp: TokenLogprobs) -> tuple[list[list[Any]], list[list[list[Any]] | None]]:
-    """TokenLogprobs -> the API's [logprob, token_id, text or None] per token, and per token
-    the list of such triples of its top tokens (None for the first prompt token)."""
-    texts = lp.texts or [None] * len(lp.token_ids)
-    top_texts = lp.top_texts or [None] * len(lp.top_ids)
-    tokens = [[v, t, x] for v, t, x in zip(lp.logprobs, lp.token_ids, texts)]
-    tops: list[list[list[Any]] | None] = []
-    for values, ids, words in zip(lp.top_logprobs, lp.top_ids, top_texts):
-        if values is None or ids is None:
-            tops.append(None)
-        else:
-            tops.append([[v, t, w] for v, t, w in zip(values, ids, words or [None] * len(ids))])
-    return tokens, tops
-
-
-@dataclass
-class LogprobState:
-    """The logprobs of one sample so far, as meta_info reports them (cumulative)."""
-
-    input_token_logprobs: list[list[Any]] = field(default_factory=list)
-    input_top_logprobs: list[Any] = field(default_factory=list)
-    output_token_logprobs: list[list[Any]] = field(default_factory=list)
-    output_top_logprobs: list[Any] = field(default_factory=list)
-
-    def add(self, out: StrOut) -> None:
-        if out.input_logprobs is not None:
-            tokens, tops = _triples(out.input_logprobs)
-            self.input_token_logprobs += tokens
-            self.input_top_logprobs += tops
-        if out.output_logprobs is not None:
-            tokens, tops = _triples(out.output_logprobs)
-            self.output_token_logprobs += tokens
-            self.output_top_logprobs += tops
-
-    def meta(self) -> dict[str, Any]:
-        values = [t[0] for t in self.input_token_logprobs if t[0] is not None]
-        return {
-            "input_token_logprobs": list(self.input_token_logprobs),
-            "output_token_logprobs": list(self.output_token_logprobs),
-            "input_top_logprobs": list(self.input_top_logprobs),
-            "output_top_logprobs": list(self.output_top_logprobs),
-            # mean logprob of the prompt tokens from logprob_start_len on (None: none asked)
-            "normalized_prompt_logprob": sum(values) / len(values) if values else None,
-        }
-
-
-@dataclass
-class ReqState:
-    user_rid: str
-    parent_rid: str = ""
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    output_ids: list[int] = field(default_factory=list)
-    finished: bool = False
-    logprobs: LogprobState | None = None  # None: no logprobs asked
 
 
 class TokenizerManager:
@@ -177,6 +55,7 @@ class TokenizerManager:
         self.args = args
         self.limits = limits
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+        self.parser = RequestParser(args, self.tokenizer, limits)
         self.ctx = zmq.asyncio.Context()
         self.sync_ctx = zmq.Context()
         self.to_router = PushSocket(self.sync_ctx, ports.tokenizer_to_router)
@@ -221,7 +100,7 @@ class TokenizerManager:
         self.failed = reason
         for state in self.states.values():
             if not state.finished:
-                state.queue.put_nowait(_Failed(reason))
+                state.queue.put_nowait(Failed(reason))
         for fut in self.control_waiters.values():
             if not fut.done():
                 fut.set_exception(ServerFailure(reason))
@@ -287,51 +166,17 @@ class TokenizerManager:
     # ------------------------------------------------------------------ requests
 
     def parse_generate_request(self, body: Any) -> ParsedRequest:
-        """Validate a /generate body. Raises RequestError naming the offending field."""
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object", None, "invalid_type")
-        body = checked_fields(field_policy.GENERATE, body)
-        self.check_model(body.get("model"))
-        text, input_ids = body.get("text"), body.get("input_ids")
-        if (text is None) == (input_ids is None):
-            raise RequestError("give exactly one of text and input_ids", "text")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise RequestError("stream must be a boolean", "stream", "invalid_type")
-        if text is not None:
-            prompts, is_batch = self._parse_text(text)
-            prompt_ids = [self._encode(t) for t in prompts]
-        else:
-            prompt_ids, is_batch = self._parse_ids(input_ids)
-        params = self._parse_params(body.get("sampling_params"), len(prompt_ids))
-        rids = self._parse_rids(body.get("rid"), len(prompt_ids))
-        prompt_field = "text" if text is not None else "input_ids"
-        images = self._parse_images(body.get("image_data"), prompt_ids, prompt_field)
-        # With an image, prompt positions count the positions the image fills.
-        lens = [len(ids) + (self.limits.image_tokens - 1 if img is not None else 0)
-                for ids, img in zip(prompt_ids, images)]
-        logprobs = self._parse_logprobs(body, lens)
-        reqs: list[SingleRequest] = []
-        for i, (ids, p, rid, lp, img, n) in enumerate(
-                zip(prompt_ids, params, rids, logprobs, images, lens)):
-            self._check_lengths(n, p, prompt_field)
-            if p.n == 1:
-                reqs.append(SingleRequest(rid, ids, p, len(reqs), None, lp, rid,
-                                          image_source=img, prompt_len=n))
-                continue
-            group = uuid.uuid4().hex
-            for k in range(p.n):
-                # each sample its own seed, or they would all draw the same tokens
-                pk = p if p.seed is None else dataclasses.replace(p, seed=(p.seed + k) % 2**63)
-                reqs.append(SingleRequest(f"{rid}-{k}", ids, pk, len(reqs), group, lp, rid,
-                                          image_source=img, prompt_len=n))
-        seen: set[str] = set()
-        for r in reqs:
-            if r.rid in self.user_rids or r.rid in seen:
-                raise RequestError(f"rid {r.rid!r} is already in use", "rid", "duplicate_rid")
-            seen.add(r.rid)
-        is_batch = is_batch or any(p.n > 1 for p in params)
-        return ParsedRequest(reqs, stream, is_batch)
+        """Validate a /generate body (RequestParser.parse). Raises RequestError naming the
+        offending field, or a client rid already in flight."""
+        return self.parser.parse(body, self.user_rids)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.parser.served_model_name
+
+    def check_model(self, model: Any) -> None:
+        """`model` on /generate, /tokenize and /detokenize (RequestParser.check_model)."""
+        self.parser.check_model(model)
 
     async def check_constraints(self, parsed: ParsedRequest) -> None:
         """Compile every regex / JSON schema of the request once here, off the event loop, so
@@ -368,129 +213,9 @@ class TokenizerManager:
             if not fsm.index.get_allowed_tokens(fsm.initial_state):
                 raise RequestError(f"{field_name} admits no output", field_name)
 
-    @property
-    def served_model_name(self) -> str:
-        return self.args.served_model_name or str(self.args.model_path)
-
-    def check_model(self, model: Any) -> None:
-        """`model` on /generate (SGLang's gateway sends it, often null), /tokenize and
-        /detokenize: null, "default" or the served model's name (404 otherwise)."""
-        if model is None or model in ("default", self.served_model_name):
-            return
-        if not isinstance(model, str):
-            raise RequestError("model must be a string or null", "model", "invalid_type")
-        raise RequestError(f"the model {model!r} does not exist; this server serves "
-                           f"{self.served_model_name!r}", "model", "model_not_found", status=404)
-
     def _eos_id(self) -> int:
         eos = self.tokenizer.eos_token_id
         return int(eos) if eos is not None else self.limits.vocab_size
-
-    def _parse_text(self, text: Any) -> tuple[list[str], bool]:
-        if isinstance(text, str):
-            prompts, is_batch = [text], False
-        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            prompts, is_batch = text, True
-        else:
-            raise RequestError("text must be a string or a non-empty list of strings", "text",
-                               "invalid_type")
-        if any(t == "" for t in prompts):
-            raise RequestError("text must not be empty", "text")
-        if not all(is_valid_utf8(t) for t in prompts):
-            raise RequestError("text must be valid Unicode (no lone surrogates)", "text")
-        return prompts, is_batch
-
-    def _encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text)
-        if not ids:
-            raise RequestError("text encodes to no tokens", "text")
-        return ids
-
-    def _parse_ids(self, input_ids: Any) -> tuple[list[list[int]], bool]:
-        def is_ids(x: Any) -> bool:
-            return isinstance(x, list) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in x
-            )
-
-        if is_ids(input_ids):
-            batch, is_batch = [input_ids], False
-        elif isinstance(input_ids, list) and input_ids and all(is_ids(x) for x in input_ids):
-            batch, is_batch = input_ids, True
-        else:
-            raise RequestError("input_ids must be a list of integers or a list of such lists",
-                               "input_ids", "invalid_type")
-        vocab = self.limits.vocab_size
-        for ids in batch:
-            if not ids:
-                raise RequestError("input_ids must not be empty", "input_ids")
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise RequestError(
-                    f"token id {bad} is outside the vocabulary [0, {vocab})", "input_ids"
-                )
-        return batch, is_batch
-
-    def _parse_params(self, raw: Any, n_prompts: int) -> list[SamplingParams]:
-        try:
-            if isinstance(raw, list):
-                if len(raw) != n_prompts:
-                    raise RequestError(
-                        f"sampling_params has {len(raw)} entries for {n_prompts} prompts",
-                        "sampling_params",
-                    )
-                return [SamplingParams.from_dict(p) for p in raw]
-            p = SamplingParams.from_dict(raw)
-        except SamplingParamError as e:
-            raise RequestError(str(e), e.param, e.code) from None
-        return [p] * n_prompts
-
-    def _parse_rids(self, raw: Any, n: int) -> list[str]:
-        if raw is None:
-            return [uuid.uuid4().hex for _ in range(n)]
-        def ok(r: Any) -> bool:
-            return isinstance(r, str) and r != "" and is_valid_utf8(r)
-
-        if n == 1 and ok(raw):
-            return [raw]
-        if isinstance(raw, list) and len(raw) == n and all(map(ok, raw)) and len(set(raw)) == n:
-            return list(raw)
-        raise RequestError("rid must be a non-empty string, or a list of distinct strings with "
-                           "one per prompt", "rid", "invalid_type")
-
-    def _parse_images(self, raw: Any, prompt_ids: list[list[int]],
-                      prompt_field: str) -> list[str | None]:
-        """image_data (a string, or a list with one string or null per prompt) -> per prompt
-        its image source. A prompt with an image holds the image token exactly once; one
-        without holds none."""
-        n = len(prompt_ids)
-        if raw is None:
-            sources: list[str | None] = [None] * n
-        elif isinstance(raw, str) and n == 1:
-            sources = [raw]
-        elif isinstance(raw, list) and len(raw) == n and all(
-                x is None or isinstance(x, str) for x in raw):
-            sources = list(raw)
-        else:
-            raise RequestError("image_data must be a string (one prompt), or a list with one "
-                               "string or null per prompt", "image_data", "invalid_type")
-        token = self.limits.image_token_id
-        if token is None:
-            if any(x is not None for x in sources):
-                raise RequestError("this model does not take images", "image_data",
-                                   "unsupported")
-            return sources
-        name = self.tokenizer.convert_ids_to_tokens(token)
-        for ids, src in zip(prompt_ids, sources):
-            count = ids.count(token)
-            if src is not None and src == "":
-                raise RequestError("image_data must not be empty", "image_data")
-            if src is not None and count != 1:
-                raise RequestError(f"a prompt with an image must hold the image token {name!r} "
-                                   f"exactly once (found {count})", prompt_field)
-            if src is None and count:
-                raise RequestError(f"the prompt holds the image token {name!r} but no "
-                                   "image_data was given", prompt_field)
-        return sources
 
     async def load_images(self, parsed: ParsedRequest) -> None:
         """Read, decode, preprocess and hash each distinct image of the request on worker
@@ -510,60 +235,6 @@ class TokenizerManager:
         for r in parsed.reqs:
             if r.image_source is not None:
                 r.image = loaded[r.image_source]
-
-    def _parse_logprobs(self, body: dict[str, Any],
-                        prompt_lens: list[int]) -> list[LogprobOptions | None]:
-        """The logprob fields (each a value, or a list with one per prompt) -> per prompt the
-        options, or None where return_logprob is false."""
-        n = len(prompt_lens)
-
-        def per_prompt(name: str, default: Any) -> list[Any]:
-            raw = body.get(name)
-            if isinstance(raw, list):
-                if len(raw) != n:
-                    raise RequestError(f"{name} has {len(raw)} entries for {n} prompts", name)
-                return [default if v is None else v for v in raw]
-            return [default if raw is None else raw] * n
-
-        def check_bool(name: str, v: Any) -> None:
-            if not isinstance(v, bool):
-                raise RequestError(f"{name} must be a boolean", name, "invalid_type")
-
-        def check_int(name: str, v: Any, lo: int, hi: int) -> None:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise RequestError(f"{name} must be an integer", name, "invalid_type")
-            if not lo <= v <= hi:
-                raise RequestError(f"{name} must be in [{lo}, {hi}], got {v}", name)
-
-        out: list[LogprobOptions | None] = []
-        for length, ret, start, top, text in zip(
-            prompt_lens, per_prompt("return_logprob", False), per_prompt("logprob_start_len", -1),
-            per_prompt("top_logprobs_num", 0), per_prompt("return_text_in_logprobs", False),
-        ):
-            check_bool("return_logprob", ret)
-            check_int("logprob_start_len", start, -1, length - 1)
-            check_int("top_logprobs_num", top, 0, MAX_TOP_LOGPROBS)
-            check_bool("return_text_in_logprobs", text)
-            out.append(LogprobOptions(start, top, text) if ret else None)
-        return out
-
-    def _check_lengths(self, n_tokens: int, p: SamplingParams, prompt_field: str) -> None:
-        """prompt + max_new_tokens must fit the context and the KV pool; the error names the
-        prompt when the prompt alone does not fit, else max_new_tokens."""
-        limits = [(self.limits.context_length, f"the context length {self.limits.context_length}",
-                   "context_length_exceeded"),
-                  (self.limits.max_total_num_tokens,
-                   f"the KV cache capacity ({self.limits.max_total_num_tokens} tokens)",
-                   "kv_capacity_exceeded")]
-        for limit, what, code in limits:
-            if n_tokens > limit:
-                raise RequestError(f"the prompt has {n_tokens} tokens: it exceeds {what}",
-                                   prompt_field, code)
-            need = n_tokens + p.max_new_tokens
-            if need > limit:
-                raise RequestError(
-                    f"the prompt has {n_tokens} tokens and max_new_tokens is "
-                    f"{p.max_new_tokens}: {need} exceeds {what}", "max_new_tokens", code)
 
     def submit(self, parsed: ParsedRequest) -> None:
         """Register every sample's state, then send them to the router (after
@@ -619,16 +290,12 @@ class TokenizerManager:
         state = self.states[rid]
         try:
             while True:
-                out: StrOut | _Failed = await state.queue.get()
-                if isinstance(out, _Failed):
+                out: StrOut | Failed = await state.queue.get()
+                if isinstance(out, Failed):
                     raise ServerFailure(out.reason)
                 if self.observer is not None:
                     self.observer.on_output(rid, out)
-                state.output_ids.extend(out.new_ids)
-                if state.logprobs is not None:
-                    state.logprobs.add(out)
-                state.finished = out.finish_reason is not None
-                yield self.result_dict(state.user_rid, out, state)
+                yield state.add(out)
                 if state.finished:
                     return
         finally:
@@ -691,18 +358,3 @@ class TokenizerManager:
                 t.cancel()
             for r in parsed.reqs:
                 self.abort(r.wire_rid)
-
-    @staticmethod
-    def result_dict(rid: str, out: StrOut, state: ReqState) -> dict[str, Any]:
-        """The answer so far; every list in it is cumulative (streaming too)."""
-        meta: dict[str, Any] = {
-            "id": rid,
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
-            "cached_tokens": out.cached_tokens,
-            "finish_reason": out.finish_reason,
-            "forward_passes": out.forward_passes,
-        }
-        if state.logprobs is not None:
-            meta.update(state.logprobs.meta())
-        return {"text": out.text, "output_ids": list(state.output_ids), "meta_info": meta}
