@@ -12,7 +12,7 @@ both rates measured here (per rank for --tp-size > 1: each rank holds 1/tp of we
 FLOPs).
 
 Also printed: the host time per decode step by batch-size bucket during the run (rank 0's
-phase counters, `srt/managers/router/step_timing.py`). `--compare-hf` then runs the first
+phase counters, `srt/model_process/step_timing.py`). `--compare-hf` then runs the first
 `--hf-requests` prompts (each `--hf-output-len` tokens out, ignore_eos, temperature 0.6) through
 srt and through transformers' continuous batching (`generate_batch`, the same random-weight
 shape), and prints the throughput ratio. `--input-len-cap` / `--output-len-cap` shrink the
@@ -31,7 +31,7 @@ import torch
 from benchmarks.common import Shape, add_engine_args, copy_bandwidth, decode_step_times, \
     hardware, matmul_rate, print_table, start_engine, write_json
 from benchmarks.hf_baseline import run_hf_generate_batch
-from srt.managers.router.step_timing import PHASES, per_step_ms
+from srt.model_process.step_timing import PHASES, per_step_ms
 
 W1_OUTPUT_TOKENS = 133_966
 
@@ -63,12 +63,13 @@ def floor_seconds(shape: Shape, in_lens: list[int], out_lens: list[int], bw: flo
 
 def print_step_times(steps: dict) -> None:
     """The per-bucket table of `per_step_ms`."""
-    cols = ["batch", "steps", "mean_batch", "host_ms", "gap_ms", "prepare_ms", "forward_ms",
-            "sample_prep_ms", "sample_ms", "post_ms"]
+    cols = ["batch", "steps", "mean_batch", "gpu_idle_ms", "host_ms", "gap_ms", "prepare_ms",
+            "forward_ms", "sample_prep_ms", "sample_ms", "wait_ms", "post_ms"]
     rows = [{"batch": f"<={b}", **v} for b, v in steps["by_batch"].items()]
     if steps["total"] is not None:
         rows.append({"batch": "all", **steps["total"]})
-    print("decode steps, ms per step (host = gap + prepare + sample_prep + post):")
+    print("decode steps, ms per step (gpu_idle: the device's idle time before a step, from CUDA "
+          "events; host = gap + prepare + sample_prep + post):")
     print_table(rows, cols)
 
 
@@ -144,6 +145,7 @@ def main() -> None:
         "of_floor": floor / wall, "kv_pool_tokens": info["max_total_num_tokens"],
         "startup_s": startup,
         "host_ms_per_step": steps["total"]["host_ms"] if steps["total"] else None,
+        "gpu_idle_ms_per_step": steps["total"]["gpu_idle_ms"] if steps["total"] else None,
     }
     print_table([row], list(row))
     print_step_times(steps)

@@ -95,8 +95,8 @@ def add_engine_args(p: Any) -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest captured decode batch (default: the server's)")
     p.add_argument("--disable-radix-cache", action="store_true")
-    p.add_argument("--enable-overlap-schedule", action="store_true",
-                   help="launch each decode step before the last one's ids reach the host")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="run each decode step to the end before launching the next")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="bfloat16",
                    help="float32 is faster for a CPU smoke test")
@@ -114,7 +114,7 @@ def engine_kwargs(a: Any) -> dict[str, Any]:
         load_format="dummy", dtype=a.dtype, device=a.device, tp_size=a.tp_size,
         attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph,
         disable_radix_cache=a.disable_radix_cache, random_seed=0, log_level=a.log_level,
-        enable_overlap_schedule=a.enable_overlap_schedule)
+        disable_overlap_schedule=a.disable_overlap_schedule)
     if a.cuda_graph_max_bs is not None:
         kw["cuda_graph_max_bs"] = a.cuda_graph_max_bs
     if a.max_total_tokens is not None:
@@ -137,7 +137,7 @@ def start_engine(a: Any, **overrides: Any) -> tuple[Any, float]:
 
 def decode_step_times(engine: Any) -> dict[str, Any]:
     """Rank 0's decode-step phase sums (seconds) so far; difference two with
-    `srt.managers.router.step_timing.per_step_ms`."""
+    `srt.model_process.step_timing.per_step_ms`."""
     return engine.get_server_info()["decode_step_times"]
 
 

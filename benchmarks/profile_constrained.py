@@ -3,7 +3,7 @@
     python3 benchmarks/profile_constrained.py --shape smollm2-135m --tokenizer-dir DIR \
         --batch 1 16 [--cases free regex json json-nojf]
 
-Starts a ModelRpcServer on the shape with random bf16 weights and SmolLM2's tokenizer (as in
+Starts a ModelProcess on the shape with random bf16 weights and SmolLM2's tokenizer (as in
 `bench_constrained.py`) and runs, per batch size, each case to completion: `free` (greedy,
 ignore_eos), `regex` (the never-forcing regex of bench_constrained, min_new_tokens =
 max_new_tokens), `json` (greedy under the long-keyed schema, jump-forward on) and `json-nojf`
@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.bench_constrained import FREE_REGEX, LONG_KEYS_SCHEMA, PROMPT, _model_dir
 from benchmarks.common import print_table, write_json
-from srt.managers.router.step_timing import per_step_ms
+from srt.model_process.step_timing import per_step_ms
 
 CASES = ("free", "regex", "json", "json-nojf")
 
@@ -58,7 +58,7 @@ def main() -> None:
     a = p.parse_args()
 
     from srt.managers.io_struct import StepInput, TokenizedGenerateReq
-    from srt.managers.router.model_rpc import ModelRpcServer
+    from srt.model_process.loop import ModelProcess
     from srt.server_args import ServerArgs
 
     path, extra = _model_dir(a.shape, a.tokenizer_dir)
@@ -67,7 +67,7 @@ def main() -> None:
                       disable_cuda_graph=a.disable_cuda_graph, random_seed=0,
                       **({"cuda_graph_max_bs": a.cuda_graph_max_bs}
                          if a.cuda_graph_max_bs else {}))
-    server = ModelRpcServer(args, 0, None)
+    server = ModelProcess(args, 0, None)
     prompt = list(server.tokenizer.encode(PROMPT))
     serial = iter(range(10**9))
 
@@ -79,7 +79,7 @@ def main() -> None:
         """(wall seconds, decode steps, mixed steps) of one batch run to completion."""
         reqs = [TokenizedGenerateReq(f"r{next(serial)}", prompt, _params(case, a.output_len))
                 for _ in range(bs)]
-        d0, m0 = server.step_timer.snapshot()["total"]["steps"], server.mixed_steps_total
+        d0, m0 = server.counters.timer.snapshot()["total"]["steps"], server.counters.mixed_steps
         sync()
         t = time.perf_counter()
         server.step(StepInput(reqs=reqs))
@@ -87,32 +87,35 @@ def main() -> None:
             server.step(StepInput())
         sync()
         wall = time.perf_counter() - t
-        return (wall, server.step_timer.snapshot()["total"]["steps"] - d0,
-                server.mixed_steps_total - m0)
+        return (wall, server.counters.timer.snapshot()["total"]["steps"] - d0,
+                server.counters.mixed_steps - m0)
 
     mixed_s: list[float] = []
-    real_mixed = server._forward_mixed
+    real_launch = server.executor.launch
 
-    def timed_mixed(batch: Any) -> Any:  # the steps after in-batch jumps, timed one by one
+    def timed_launch(plan: Any) -> Any:  # the steps after in-batch jumps, timed one by one
+        if plan.sample_rows is None:
+            return real_launch(plan)
         t = time.perf_counter()
-        out = real_mixed(batch)
-        mixed_s.append(time.perf_counter() - t)  # ends with the ids on the host
-        return out
+        step = real_launch(plan)
+        step.wait()  # ends with the ids on the host (a later wait returns the same result)
+        mixed_s.append(time.perf_counter() - t)
+        return step
 
-    server._forward_mixed = timed_mixed
+    server.executor.launch = timed_launch
     run("regex", 1)  # builds the FSM cache and jump-forward (at the first constrained request)
-    jump = server.jump
+    jump = server.constraints.jump
     rows: list[dict[str, Any]] = []
     reports: list[str] = []
     for bs in a.batch:
         for case in a.cases:
-            server.jump = None if case == "json-nojf" else jump
+            server.constraints.jump = None if case == "json-nojf" else jump
             run(case, bs)  # warm-up
-            before = server.step_timer.snapshot()
+            before = server.counters.timer.snapshot()
             mixed_s.clear()
             wall, steps, mixed = run(case, bs)
             mixed_ms = 1e3 * sum(mixed_s) / max(1, len(mixed_s))
-            phases = per_step_ms(before, server.step_timer.snapshot())["total"]
+            phases = per_step_ms(before, server.counters.timer.snapshot())["total"]
             phases = {k: v for k, v in phases.items() if k.endswith("_ms")}
             prof = cProfile.Profile()
             prof.enable()
@@ -136,7 +139,7 @@ def main() -> None:
                            + events.table(sort_by="self_device_time_total"
                                           if torch.cuda.is_available()
                                           else "self_cpu_time_total", row_limit=a.top))
-    server.jump = jump
+    server.constraints.jump = jump
     for r in reports:
         print(r)
     print(f"shape {a.shape} device {server.runner.device} backend {server.runner.backend_name} "

@@ -2,7 +2,7 @@
 
     python3 benchmarks/profile_decode.py --shape llama3-8b --batch 1 --steps 200 [--tp-size 2]
 
-Starts a ModelRpcServer on the shape with random weights, fills `--batch` requests of
+Starts a ModelProcess on the shape with random weights, fills `--batch` requests of
 `--input-len` tokens, then times `--steps` decode steps: wall time per step, the GPU time per step
 (sum of kernel times under torch.profiler), the top host functions (cProfile) and the top GPU
 kernels. Host time that the GPU waits on shows up as wall time minus GPU time. With
@@ -58,7 +58,7 @@ def main() -> None:
 
 def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None) -> None:
     from srt.managers.io_struct import StepInput, TokenizedGenerateReq
-    from srt.managers.router.model_rpc import ModelRpcServer
+    from srt.model_process.loop import ModelProcess
     from srt.server_args import ServerArgs
 
     shape = Shape.of(a.shape)
@@ -66,7 +66,7 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
                       dtype="bfloat16", attention_backend=a.attention_backend,
                       disable_cuda_graph=a.disable_cuda_graph,
                       cuda_graph_max_bs=max(a.batch, 1), random_seed=0, tp_size=a.tp_size)
-    server = ModelRpcServer(args, rank, port)
+    server = ModelProcess(args, rank, port)
     rng = random.Random(0)
     if a.w1:
         from benchmarks.bench_offline import w1_workload
@@ -94,7 +94,7 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
     t_fill = time.perf_counter() - t_fill
     assert len(server.running) == a.batch
     if rank == 0:
-        fills = server.step_timer.fills
+        fills = server.counters.timer.fills
         print(f"fill: {fills.rounds} rounds, {fills.tokens} tokens in {t_fill:.3f} s "
               f"({fills.tokens / t_fill:.0f} tokens/s; the first round includes warm-up)")
         if a.profile_fill:
@@ -113,7 +113,7 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
         sync()
         t = time.perf_counter()
         for _ in range(n):
-            server._forward_decode(outs)
+            server._decode_step(outs)
         sync()
         outs.clear()
         return (time.perf_counter() - t) / n

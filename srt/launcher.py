@@ -185,7 +185,7 @@ def start_runtime(args: ServerArgs, name: str = "launcher process") -> Runtime:
     `name`: what this process is called in logs (the HTTP process, an Engine's process)."""
     from srt.managers.detokenizer_manager import run_detokenizer_process
     from srt.managers.router.manager import run_router_process
-    from srt.managers.router.model_rpc import run_model_process
+    from srt.model_process.process import run_model_process
     from srt.managers.request_types import ModelLimits
 
     logger.info("starting srt: model %s, tp_size %d", args.model_path, args.tp_size)

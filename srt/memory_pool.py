@@ -20,14 +20,35 @@ _SMALL_CHUNK = 4096
 class ReqToTokenPool:
     """`req_to_token[row, i]` is the KV slot of token i of the request living in `row`.
 
-    Rows are handed out by `alloc` and given back by `free`; the table itself is on the device.
+    Rows are handed out by `alloc` and given back by `free`. The table lives on the device (the
+    attention kernels read it) with a host mirror, `host`, that every write goes to as well, so
+    the host never reads back from the device what it wrote itself (on the CPU they are one
+    tensor). Writes go through `write_spans`, or `host` plus a device-side write by the caller.
     """
 
     def __init__(self, size: int, context_len: int, device: torch.device | str) -> None:
         self.size = size
         self.context_len = context_len
         self.req_to_token = torch.zeros((size, context_len), dtype=torch.int32, device=device)
+        self.host = (self.req_to_token if self.req_to_token.device.type == "cpu"
+                     else torch.zeros((size, context_len), dtype=torch.int32))
         self._free_rows: list[int] = list(range(size))
+
+    def write_spans(self, spans: list[tuple[int, int, torch.Tensor]]) -> None:
+        """For each (row, start, slots): columns start .. start + len(slots) - 1 of row hold
+        slots (a CPU tensor). The device gets them in one non-blocking copy."""
+        spans = [(row, start, v) for row, start, v in spans if v.numel()]
+        if not spans:
+            return
+        for row, start, v in spans:
+            self.host[row, start : start + v.numel()] = v
+        if self.host is self.req_to_token:
+            return
+        flat = torch.cat([torch.arange(start, start + v.numel(), dtype=torch.int64)
+                          + row * self.context_len for row, start, v in spans])
+        vals = torch.cat([v.to(torch.int64) for _, _, v in spans])
+        both = torch.stack((flat, vals)).to(self.req_to_token.device, non_blocking=True)
+        self.req_to_token.view(-1).index_copy_(0, both[0], both[1].to(torch.int32))
 
     def available_size(self) -> int:
         return len(self._free_rows)

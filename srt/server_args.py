@@ -91,11 +91,11 @@ class ServerArgs:
         1, "Jump forward inside a running batch only when it adds at least this many ids (the "
         "batch's next step then computes one row per new id, from a CUDA graph while the rows "
         "fit the largest one).")
-    enable_overlap_schedule: bool = _f(
-        False, "Run decode steps with the host one step behind the device: the next step is "
-        "launched with the sampled ids still on the device while the host finishes the "
-        "previous one (batches without constraints, penalties, seeds, logprobs or pending "
-        "min_new_tokens; greedy tokens are unchanged).")
+    disable_overlap_schedule: bool = _f(
+        False, "Run each decode step to the end before launching the next. By default the next "
+        "step is launched from the sampled ids on the device while the host reads the step "
+        "before and does its work (stop checks, streaming, admission); batches with an FSM "
+        "mask or penalties wait for the host first.")
     skip_warmup: bool = _f(False, "Report ready without first serving two small warm-up "
                            "requests (they compile the fill kernels at start-up instead of in "
                            "the first users' requests).")

@@ -1,26 +1,26 @@
-"""Driving one model process (ModelRpcServer) in-process, without the router or HTTP."""
+"""Driving one model process (ModelProcess) in-process, without the router or HTTP."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from srt.managers.io_struct import StepInput, TokenizedGenerateReq, TokenOut
-from srt.managers.router.model_rpc import ModelRpcServer
+from srt.model_process.loop import ModelProcess
 from srt.server_args import ServerArgs
 
 
-def cpu_model_server(path: str, dummy: bool = False, **args: Any) -> ModelRpcServer:
+def cpu_model_server(path: str, dummy: bool = False, **args: Any) -> ModelProcess:
     """Rank 0 of a float32 CPU server (torch attention unless `attention_backend` is given),
     seed 0 and no warm-up."""
     args = {"attention_backend": "torch", **args}
-    return ModelRpcServer(ServerArgs(
+    return ModelProcess(ServerArgs(
         model_path=path, tokenizer_path=path, load_format="dummy" if dummy else "auto",
         dtype="float32", device="cpu", random_seed=0, skip_warmup=True, **args), 0, None)
 
 
-def serve_all(server: ModelRpcServer, reqs: list[TokenizedGenerateReq],
+def serve_all(server: ModelProcess, reqs: list[TokenizedGenerateReq],
               max_rounds: int = 10_000,
-              after_step: Callable[[ModelRpcServer], None] | None = None
+              after_step: Callable[[ModelProcess], None] | None = None
               ) -> dict[str, list[TokenOut]]:
     """Step until nothing runs or waits; every request's outputs in order (the last one carries
     its finish reason). `after_step` is called after every round."""
@@ -40,8 +40,6 @@ def serve_all(server: ModelRpcServer, reqs: list[TokenizedGenerateReq],
     return outs
 
 
-def kv_is_free(server: ModelRpcServer) -> bool:
+def kv_is_free(server: ModelProcess) -> bool:
     """Every slot free or evictable, no tree lock, every req_to_token row free."""
-    return (server.pool.available_size() + server.tree.evictable_size() == server.pool.size
-            and server.tree.locked_size() == 0
-            and server.req_pool.available_size() == server.req_pool.size)
+    return server.kv.is_free()

@@ -53,6 +53,45 @@ def test_tp2_equals_tp1_on_random_llama(llama_4l: str) -> None:
     assert pools[1]["tokens"] == pools[2]["tokens"] == 2048
 
 
+def test_tp2_overlap_equals_plain_loop(llama_4l: str) -> None:
+    """--tp-size 2 (gloo): the overlapped loop (the default) gives the plain loop's ids, finish
+    reasons and logprobs for a mixed batch: stop ids firing mid-way, n = 2, logprobs, requests
+    finishing at every length, on a small pool (requests wait for room)."""
+    lens = [1, 2, 3, 5, 9, 17, 40, 60]
+    outs = {}
+    for flags in ([], ["--disable-overlap-schedule"]):
+        params = [{**GREEDY, "max_new_tokens": n} for n in lens]
+        body = {"input_ids": PROMPTS, "sampling_params": params, "return_logprob": True,
+                "top_logprobs_num": 2}
+        srv = _serve(["--model-path", llama_4l, "--tp-size", "2", "--max-total-tokens", "100",
+                      "--schedule-conservativeness", "0.01", *flags])
+        try:
+            first = srv.generate(body)
+            # a stop id each output first writes at index 2 or later
+            for p, r in zip(params, first):
+                ids = r["output_ids"]
+                late = [t for j, t in enumerate(ids) if j >= 2 and t not in ids[:j]]
+                p["stop_token_ids"] = late[:1]
+            twice = srv.generate({"input_ids": PROMPTS[0], "sampling_params": {
+                **GREEDY, "n": 2, "max_new_tokens": 12}})
+            res = srv.generate(body)
+            outs[bool(flags)] = (first, res, twice, srv.server_info())
+            srv.assert_kv_invariant()
+        finally:
+            srv.stop()
+    for key in (0, 1, 2):
+        got, want = outs[False][key], outs[True][key]
+        assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
+        assert [r["meta_info"]["finish_reason"] for r in got] == \
+            [r["meta_info"]["finish_reason"] for r in want]
+    for g, w in zip(outs[False][1], outs[True][1]):
+        assert [t[0] for t in g["meta_info"]["output_token_logprobs"]] == pytest.approx(
+            [t[0] for t in w["meta_info"]["output_token_logprobs"]], abs=1e-4)
+    assert any(r["meta_info"]["finish_reason"]["type"] == "stop" for r in outs[False][1])
+    assert outs[False][3]["overlapped_decode_steps"] > 0
+    assert outs[True][3]["overlapped_decode_steps"] == 0
+
+
 def test_smollm2_tp3_equals_tp1(server: Any, smollm2_tokenizer: Any) -> None:
     prompts = [smollm2_tokenizer.encode(t) for t in (
         "The capital of France is", "def add(a, b):", "Three colors:", "Once upon a time",

@@ -1,4 +1,4 @@
-"""Drive one model process's ModelRpcServer in this process (GPU tests), and compare greedy
+"""Drive one model process's ModelProcess in this process (GPU tests), and compare greedy
 streams position by position."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ _rids = itertools.count()
 
 
 class ModelProcessDriver:
-    """One model process's ModelRpcServer, stepped in this process."""
+    """One model process's ModelProcess, stepped in this process."""
 
     def __init__(self, model_dir: str, backend: str, dtype: str, **extra: Any) -> None:
-        from srt.managers.router.model_rpc import ModelRpcServer
+        from srt.model_process.loop import ModelProcess
         from srt.server_args import ServerArgs
 
         # Few graph sizes: capture time adds to every start-up and the tests run small batches.
@@ -22,7 +22,7 @@ class ModelProcessDriver:
         args = ServerArgs(model_path=model_dir, tokenizer_path=model_dir, device="cuda",
                           dtype=dtype, attention_backend=backend, max_total_tokens=32768,
                           random_seed=0, **extra)
-        self.server = ModelRpcServer(args, 0)
+        self.server = ModelProcess(args, 0)
 
     def greedy(self, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
         from srt.managers.io_struct import StepInput, TokenizedGenerateReq
@@ -42,7 +42,7 @@ class ModelProcessDriver:
             if not res.has_work:
                 break
         s = self.server
-        assert s.pool.available_size() + s.tree.evictable_size() == \
+        assert s.kv.pool.available_size() + s.kv.tree.evictable_size() == \
             s.runner.max_total_num_tokens
         return [out[r] for r in rids]
 

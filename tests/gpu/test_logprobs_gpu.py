@@ -19,7 +19,7 @@ _rids = itertools.count()
 
 
 def run(server: Any, prompts: list[list[int]], options: list[Any], new: int) -> list[Any]:
-    """Step a ModelRpcServer until every request finished; the TokenOuts merged per request."""
+    """Step a ModelProcess until every request finished; the TokenOuts merged per request."""
     from srt.managers.io_struct import StepInput, TokenizedGenerateReq, TokenLogprobs
 
     rids = [f"r{next(_rids)}" for _ in prompts]
@@ -59,7 +59,7 @@ def test_fp32_logprobs_equal_transformers(backend: str, tmp_path: Any) -> None:
     from transformers import AutoModelForCausalLM
 
     from srt.managers.io_struct import LogprobOptions
-    from srt.managers.router.model_rpc import ModelRpcServer
+    from srt.model_process.loop import ModelProcess
     from srt.server_args import ServerArgs
 
     path = save_random_llama(str(tmp_path), dtype="float32", hidden_size=512,
@@ -67,7 +67,7 @@ def test_fp32_logprobs_equal_transformers(backend: str, tmp_path: Any) -> None:
                              num_key_value_heads=2, vocab_size=VOCAB)
     args = ServerArgs(model_path=path, tokenizer_path=path, device="cuda", dtype="float32",
                       attention_backend=backend, max_total_tokens=16384, random_seed=0)
-    server = ModelRpcServer(args, 0)
+    server = ModelProcess(args, 0)
     rng = random.Random(1)
     prompts = [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (40, 200, 7)]
     options = [LogprobOptions(0, 5), None, LogprobOptions(-1, 3)]
@@ -92,4 +92,4 @@ def test_fp32_logprobs_equal_transformers(backend: str, tmp_path: Any) -> None:
             check(ref, full, 30, again["input"], 2)
             check(ref, full, len(ids), again["output"], 2)
     s = server
-    assert s.pool.available_size() + s.tree.evictable_size() == s.runner.max_total_num_tokens
+    assert s.kv.pool.available_size() + s.kv.tree.evictable_size() == s.runner.max_total_num_tokens

@@ -2,7 +2,7 @@
 
 import pytest
 
-from srt.managers.router.cuda_graph_runner import capture_batch_sizes, padded_size
+from srt.model_process.cuda_graph_runner import capture_batch_sizes, padded_size
 
 
 def test_capture_sizes() -> None:

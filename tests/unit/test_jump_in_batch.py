@@ -12,9 +12,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-import srt.managers.router.model_rpc as model_rpc
+import srt.model_process.constraints as constraints
 from srt.managers.io_struct import LogprobOptions, TokenizedGenerateReq
-from srt.managers.router.model_rpc import ModelRpcServer
+from srt.model_process.loop import ModelProcess
 from tests.e2e.test_jump_forward import LONG_KEYS
 from tests.model_process import cpu_model_server, kv_is_free, serve_all
 
@@ -46,7 +46,7 @@ def _requests(tok: Any) -> list[TokenizedGenerateReq]:
     return reqs
 
 
-def _serve(server: ModelRpcServer, reqs: list[TokenizedGenerateReq],
+def _serve(server: ModelProcess, reqs: list[TokenizedGenerateReq],
            after_step: Any = None) -> dict[str, Any]:
     """rid -> (ids, finish reason, forward passes, completion tokens, output logprobs) once all
     are done."""
@@ -59,14 +59,13 @@ def _serve(server: ModelRpcServer, reqs: list[TokenizedGenerateReq],
     return res
 
 
-def _retract_one_jumped(server: ModelRpcServer, done: list[str]) -> None:
+def _retract_one_jumped(server: ModelProcess, done: list[str]) -> None:
     """Once, retract a running request right after it jumped inside the batch (its KV ends
     before its ids, at kv_valid), as a full pool would: its valid KV goes to the tree and its
     next fill computes the rest. The outputs must not change."""
     for r in server.running:
         if not done and r.kv_valid is not None:
-            server.running.remove(r)
-            server._retract(r)
+            server.retract(r)
             done.append(r.rid)
             return
 
@@ -77,8 +76,9 @@ def results(smollm2_dir: str, smollm2_tokenizer: Any) -> dict[str, Any]:
     out = {}
     try:
         for name, in_batch in (("batch", True), ("queue", False)):
-            mp.setattr(model_rpc, "JUMP_IN_BATCH", in_batch)
-            server = cpu_model_server(smollm2_dir)
+            mp.setattr(constraints, "JUMP_IN_BATCH", in_batch)
+            # The plain loop: the hook retracts between rounds, which needs no step in flight.
+            server = cpu_model_server(smollm2_dir, disable_overlap_schedule=True)
             retracted: list[str] = []
             res = _serve(server, _requests(smollm2_tokenizer),
                          after_step=lambda s: _retract_one_jumped(s, retracted))
@@ -132,9 +132,9 @@ def test_min_tokens_skips_small_jumps(results: dict[str, Any], smollm2_dir: str,
     in-batch jump adds rows to the batch's next step); outputs stay valid and the KV is given
     back."""
     server = cpu_model_server(smollm2_dir, jump_forward_min_tokens=3)
-    assert server.jump_min_tokens == 3
+    assert server.constraints.jump_min_tokens == 3
     gains: list[int] = []
-    real = server._jump_forward
+    real = server.constraints.jump_forward
 
     def recording(req: Any) -> bool:
         before, in_batch = len(req.output_ids), req.req_pool_idx is not None
@@ -143,7 +143,7 @@ def test_min_tokens_skips_small_jumps(results: dict[str, Any], smollm2_dir: str,
             gains.append(len(req.output_ids) - before)
         return queued
 
-    server._jump_forward = recording  # observe what each jump added
+    server.constraints.jump_forward = recording  # observe what each jump added
     res = _serve(server, _requests(smollm2_tokenizer))
     text = {rid: smollm2_tokenizer.decode(v[0]) for rid, v in res.items()}
     jsonschema.validate(json.loads(text["schema"]), LONG_KEYS)
@@ -152,4 +152,4 @@ def test_min_tokens_skips_small_jumps(results: dict[str, Any], smollm2_dir: str,
     assert gains and min(gains) >= 3, gains
     assert server.stats()["jump_forwards"] < results["batch"][1]["jump_forwards"]
     assert kv_is_free(server)
-    assert cpu_model_server(smollm2_dir).jump_min_tokens == 1  # the default: every jump
+    assert cpu_model_server(smollm2_dir).constraints.jump_min_tokens == 1  # the default: every jump

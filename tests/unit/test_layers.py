@@ -309,7 +309,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama):
-    from srt.managers.router.model_runner import ModelRunner
+    from srt.model_process.model_runner import ModelRunner
     from srt.server_args import ServerArgs
 
     path, _ = tiny_llama
@@ -322,7 +322,7 @@ def runner(tiny_llama):
 
 
 class Seq:
-    """One request's row and slots in the runner's pools (what model_rpc does, by hand)."""
+    """One request's row and slots in the runner's pools (what the KV manager does, by hand)."""
 
     def __init__(self, runner, ids: list[int]) -> None:
         self.runner = runner

@@ -17,7 +17,7 @@ import torch
 from srt.managers.image_processor import ClipPreprocessConfig, image_hash, preprocess
 from srt.managers.image_source import ImageError, ImagePolicy, read_image_bytes
 from srt.managers.io_struct import ImageInput
-from srt.managers.router.image_pads import MIN_IMAGE_MATCH, ReqImage, pad_ids
+from srt.model_process.image_pads import MIN_IMAGE_MATCH, ReqImage, pad_ids
 
 
 def _image(seed: int, w: int, h: int, mode: str) -> Any:

@@ -1,5 +1,5 @@
 """Logprob rows on the device (srt.layers.logprobs) and the per-step plan of the model process
-(srt.managers.router.logprob_step), against torch's log_softmax on random logits."""
+(srt.model_process.logprob_step), against torch's log_softmax on random logits."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from srt.layers.forward_batch import ForwardMode
 from srt.layers.logprobs import row_width, write_logprob_rows
 from srt.managers.io_struct import LogprobOptions
-from srt.managers.router.infer_batch import Req
-from srt.managers.router.logprob_step import StepLogprobs, prefix_limit
+from srt.model_process.req import Req
+from srt.model_process.logprob_step import StepLogprobs, prefix_limit
 from srt.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -79,7 +79,8 @@ def _simulate_step(batch: list[Req], prefix_lens: list[int], vocab: int, seed: i
     ends = torch.tensor(ext_lens).cumsum(0) - 1
     last = all_logits[ends]
     sampled = last.argmax(-1)
-    return step.collect(last, sampled), all_logits, ext_lens, sampled
+    step.launch(last, sampled)
+    return step.collect(), all_logits, ext_lens, sampled
 
 
 def test_step_plan_maps_rows_to_prompt_positions() -> None:
@@ -143,7 +144,8 @@ def test_decode_step_has_output_rows_only() -> None:
     step = StepLogprobs([a, b], ForwardMode.DECODE, [2, 2], [1, 1], CPU)
     assert step.prompt_request is None
     logits = random_logits(2, 40, seed=3)
-    ids, inputs, outputs = step.collect(logits, torch.tensor([7, 8]))
+    step.launch(logits, torch.tensor([7, 8]))
+    ids, inputs, outputs = step.collect()
     assert ids == [7, 8] and inputs == [None, None] and outputs[1] is None
     ref = torch.log_softmax(logits.double(), dim=-1)
     assert outputs[0].logprobs == pytest.approx([float(ref[0, 7])], abs=1e-5)

@@ -1,4 +1,4 @@
-"""Tests of srt.managers.router.radix_cache against a pure-Python reference model.
+"""Tests of srt.model_process.radix_cache against a pure-Python reference model.
 
 The reference model is a dict {token-prefix tuple: slot} holding one entry per
 cached token; locks are kept as the list of locked prefixes.
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from srt.managers.router.radix_cache import RadixCache, TreeNode
+from srt.model_process.radix_cache import RadixCache, TreeNode
 
 KEYS = st.lists(st.integers(0, 3), min_size=1, max_size=12)
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from srt.layers.sampler import SamplingBatchInfo, apply_penalties, sample
-from srt.managers.router.infer_batch import Req, build_sampling_info
+from srt.model_process.req import Req
+from srt.model_process.sampling_info import build_sampling_info
 from srt.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Tests of srt.managers.router.scheduler: the admission arithmetic and the queue orders."""
+"""Tests of srt.model_process.policy: the admission arithmetic and the queue orders."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from srt.managers.router.radix_cache import RadixCache, TreeNode
-from srt.managers.router.scheduler import Admission, order_queue
+from srt.model_process.radix_cache import RadixCache, TreeNode
+from srt.model_process.policy import Admission, order_queue
 
 # ====================================================================== Admission
 

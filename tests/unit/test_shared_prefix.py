@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from srt.managers.router.radix_cache import RadixCache, shared_prefix_len
+from srt.model_process.radix_cache import RadixCache, shared_prefix_len
 from tests.unit.test_radix_cache import RecordingPool
 
 
@@ -96,16 +96,16 @@ def test_served_shared_prefix_matches_torch(tmp_path: Any, monkeypatch: Any) -> 
     monkeypatch.setattr(triton_backend, "decode_attention_fwd", recording)
     server = cpu_model_server(model, attention_backend="triton")
     # the start-up compile of the eager decode kernels writes nothing but scratch
-    k0, v0 = (b.clone() for b in server.pool.get_kv_buffer(0))
-    rows = server.req_pool.req_to_token.clone()
-    server.runner.attn_backend.warm_up_eager_decode(server.req_pool.req_to_token,
-                                                    *server.pool.get_kv_buffer(0))
+    k0, v0 = (b.clone() for b in server.kv.pool.get_kv_buffer(0))
+    rows = server.kv.req_pool.req_to_token.clone()
+    server.runner.attn_backend.warm_up_eager_decode(server.kv.req_pool.req_to_token,
+                                                    *server.kv.pool.get_kv_buffer(0))
     assert seen == [0, 1]
     seen.clear()
     # bit for bit (the pool's unwritten slots may hold NaN, which == would never match)
-    assert torch.equal(k0.view(torch.int32), server.pool.get_kv_buffer(0)[0].view(torch.int32))
-    assert torch.equal(v0.view(torch.int32), server.pool.get_kv_buffer(0)[1].view(torch.int32))
-    assert torch.equal(rows, server.req_pool.req_to_token)
+    assert torch.equal(k0.view(torch.int32), server.kv.pool.get_kv_buffer(0)[0].view(torch.int32))
+    assert torch.equal(v0.view(torch.int32), server.kv.pool.get_kv_buffer(0)[1].view(torch.int32))
+    assert torch.equal(rows, server.kv.req_pool.req_to_token)
     got = ids(serve_all(server, reqs()))
     assert got == want
     assert seen and max(seen) == len(prefix), seen  # the whole prompt prefix read once

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from srt.managers.router.step_inputs import StepInputBuilder
+from srt.model_process.step_inputs import StepInputBuilder
 
 
 @pytest.mark.parametrize("t,bs", [(1, 1), (7, 3), (16, 16), (33, 5), (1000, 17)])

@@ -2,7 +2,7 @@
 
 import time
 
-from srt.managers.router.step_timing import StepTimer, batch_bucket, per_step_ms
+from srt.model_process.step_timing import StepTimer, batch_bucket, per_step_ms
 
 
 def test_batch_bucket_is_next_power_of_two():

@@ -24,7 +24,7 @@ import torch
 from srt.layers.forward_batch import ForwardMode
 from srt.layers.logprobs import PromptLogprobRequest, row_width, write_logprob_rows
 from srt.managers.io_struct import TokenLogprobs
-from srt.managers.router.infer_batch import Req
+from srt.model_process.req import Req
 
 
 @dataclass
@@ -46,7 +46,7 @@ def prefix_limit(req: Req) -> int:
 
 class StepLogprobs:
     """Plan and buffer of one step. Build it before the forward (it sets the prompt request),
-    call `collect` after sampling."""
+    call `launch` after sampling and `collect` when the step's results are needed."""
 
     def __init__(self, batch: list[Req], mode: ForwardMode, prefix_lens: list[int],
                  extend_lens: list[int], device: torch.device) -> None:
@@ -82,21 +82,36 @@ class StepLogprobs:
         self.prompt_request: PromptLogprobRequest | None = None
         if self.spans:
             self.prompt_request = PromptLogprobRequest(
-                rows=torch.tensor(rows, dtype=torch.int64, device=device),
-                next_ids=torch.tensor(next_ids, dtype=torch.int64, device=device),
+                rows=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+                next_ids=torch.tensor(next_ids, dtype=torch.int64).to(device, non_blocking=True),
                 top_k=self.prompt_k,
                 out=self._prompt_view,
             )
 
-    def collect(self, logits: torch.Tensor, next_ids: torch.Tensor
-                ) -> tuple[list[int], list[TokenLogprobs | None], list[TokenLogprobs | None]]:
-        """logits [bs, vocab] (raw), next_ids [bs] -> (next ids, prompt logprobs per request,
-        logprobs of each request's sampled token); None where not asked."""
+    def launch(self, logits: torch.Tensor, next_ids: torch.Tensor) -> None:
+        """After sampling: write the ids and the output rows into the buffer and start its copy
+        to the host (logits [bs, vocab] raw, next_ids [bs]). Must run before the next forward
+        is launched: a CUDA graph's logits are overwritten by its next replay."""
         self.buffer[: self.bs] = next_ids
         if self.out_rows:
-            rows = torch.tensor(self.out_rows, dtype=torch.int64, device=logits.device)
+            rows = torch.tensor(self.out_rows, dtype=torch.int64).to(logits.device,
+                                                                    non_blocking=True)
             write_logprob_rows(logits[rows], next_ids[rows], self.out_k, self._out_view)
-        host = self.buffer.cpu()  # the one device-to-host copy of the step
+        self.done: torch.cuda.Event | None = None
+        if self.buffer.device.type == "cuda":
+            self.host = torch.empty(self.buffer.shape, dtype=self.buffer.dtype, pin_memory=True)
+            self.host.copy_(self.buffer, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = self.buffer
+
+    def collect(self) -> tuple[list[int], list[TokenLogprobs | None], list[TokenLogprobs | None]]:
+        """After `launch`: wait for the copy -> (next ids, prompt logprobs per request,
+        logprobs of each request's sampled token); None where not asked."""
+        if self.done is not None:
+            self.done.synchronize()
+        host = self.host
         ids = [int(t) for t in host[: self.bs].tolist()]
         prompt_host, out_host = self._split(host)
         prompt_rows, out_rows = prompt_host.tolist(), out_host.tolist()

@@ -1,4 +1,5 @@
-"""Which waiting requests join the next fill batch: queue order and the admission arithmetic.
+"""The scheduling policy: which waiting requests join the next fill batch (queue order, the
+admission arithmetic, `select_fill`), the new-token ratio, and which request to retract first.
 
 Admission (DESIGN section 3): a fill batch may use
 
@@ -140,3 +141,96 @@ class InRoundPrefixes:
         key = self._key(r)
         if key is not None:
             self.keys.add(key)
+
+
+# Retraction re-estimates the ratio as if every request still ran this many steps.
+RETRACT_LOOKAHEAD_STEPS = 20
+
+
+@dataclass
+class TokenRatio:
+    """Share of running requests' remaining max_new_tokens reserved at admission.
+
+    Starts high, decays every decode step towards its floor (requests usually stop early), and is
+    raised again when decoding runs out of slots (`after_retraction`).
+    """
+
+    value: float
+    floor: float
+    decay: float
+
+    @classmethod
+    def from_conservativeness(cls, c: float) -> "TokenRatio":
+        return cls(value=min(0.7 * c, 1.0), floor=min(0.1 * c, 1.0), decay=0.001)
+
+    def step(self) -> None:
+        self.value = max(self.floor, self.value - self.decay)
+
+    def after_retraction(self, running: list[Any]) -> None:
+        total_max = sum(r.sampling_params.max_new_tokens for r in running) or 1
+        done = sum(len(r.output_ids) for r in running)
+        estimate = (done + RETRACT_LOOKAHEAD_STEPS * len(running)) / total_max
+        self.value = min(1.0, max(self.value, estimate))
+
+
+def retraction_victim(running: list[Any]) -> Any:
+    """The running request to retract first: least progress (fewest generated tokens), then the
+    longest prompt."""
+    return min(running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+
+
+def select_fill(waiting: list[Any], running: list[Any], kv: Any, args: Any, rng: random.Random,
+                ratio: float, prefix_limit: Callable[[Any], int]) -> list[Any]:
+    """The waiting requests of the next fill batch, in order (their prefixes matched and
+    locked, `extend_input_len` set); they are removed from `waiting`.
+
+    `prefix_limit(r)`: how many leading tokens may come from the tree (at least one token is
+    computed, and every prompt position whose logprobs are asked for)."""
+    if not waiting:
+        return []
+    tree = kv.tree
+    for r in waiting:
+        r.prefix_indices, r.last_node = tree.match_prefix(r.fill_ids[: prefix_limit(r)])
+        if r.image is not None:
+            keep = r.image.safe_prefix_len(len(r.prefix_indices))
+            if keep < len(r.prefix_indices):
+                r.prefix_indices, r.last_node = tree.match_prefix(r.fill_ids[:keep])
+        r.extend_input_len = len(r.fill_ids) - len(r.prefix_indices)
+    queue = order_queue(waiting, args.schedule_heuristic, rng, tree.root)
+    adm = Admission.start(
+        free=kv.pool.available_size(),
+        evictable=tree.evictable_size(),
+        running_remaining=[r.remaining_new_tokens - r.in_flight for r in running],
+        new_token_ratio=ratio,
+        max_prefill_tokens=args.max_prefill_tokens,
+        free_rows=kv.req_pool.available_size(),
+    )
+    batch: list[Any] = []
+    groups: set[str] = set()
+    shared = InRoundPrefixes()
+    for r in queue:
+        if r.fsm_pending:
+            continue  # its FSM is still compiling
+        if r.group is not None and r.group in groups:
+            # A sibling sample is computing this prompt now: wait one round and reuse its KV.
+            continue
+        sharing = not tree.disable and not r.wants_prompt_logprobs
+        if sharing and shared.should_wait(r):
+            continue  # another request of this batch computes its prompt's next tokens
+        node = r.last_node
+        if not adm.try_admit(r.extend_input_len, r.remaining_new_tokens,
+                             lock=lambda n=node: tree.inc_lock_ref(n),
+                             unlock=lambda n=node: tree.dec_lock_ref(n)):
+            break
+        batch.append(r)
+        if sharing:
+            shared.add(r)
+        if r.group is not None and sharing \
+                and len(r.prefix_indices) < len(r.origin_input_ids) - 1:
+            # This batch computes the group's prompt. (Samples that want prompt logprobs
+            # compute it themselves anyway: they do not wait.)
+            groups.add(r.group)
+    if batch:
+        chosen = set(map(id, batch))
+        waiting[:] = [r for r in waiting if id(r) not in chosen]
+    return batch

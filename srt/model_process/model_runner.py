@@ -17,7 +17,7 @@ from srt.layers import parallel_state
 from srt.layers.attention import create_attention_backend, resolve_backend_name
 from srt.layers.forward_batch import ForwardBatch, forward_context
 from srt.layers.radix_attention import RadixAttention
-from srt.managers.router.cuda_graph_runner import CudaGraphRunner
+from srt.model_process.cuda_graph_runner import CudaGraphRunner
 from srt.memory_pool import ReqToTokenPool, TokenToKVPool
 from srt.model_config import ModelConfig
 from srt.models.loader import init_dummy_weights, iterate_safetensors

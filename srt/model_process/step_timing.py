@@ -10,13 +10,18 @@ A decode step is cut into phases by `mark` calls in the model process:
     forward      the runner's forward call: on a GPU launching the kernels (or copying the
                  inputs and launching a graph replay), on the CPU the computation itself
     sample_prep  the sampling tensors and masks of the batch
-    sample       sampling and the device-to-host copy of the sampled ids (on a GPU this waits
-                 for the device to finish the step)
-    post         after that copy -> step end: appending tokens, stop checks, outputs
+    sample       launching sampling and the copy of the sampled ids to the host
+    wait         blocked until a step's ids are on the host (the step just launched in the plain
+                 loop; the one before it in the overlapped loop, where the device is busy with
+                 the next step meanwhile)
+    post         the rest of the step: appending tokens, stop checks, outputs
 
-On a GPU the device idles through `gap`, `prepare` and `post` whatever it does; `sample_prep`
-overlaps the forward on the device when the forward takes longer. Sums are kept per batch-size
-bucket (the next power of two) so a benchmark can difference two snapshots.
+In the plain loop the device idles through `gap`, `prepare` and `post`; in the overlapped loop
+the host does them while the device runs the step launched before. What the device really
+waited for is measured on the device itself: `gpu_idle` sums, over `gpu_timed` decode steps,
+the time from the end of the step before to the start of this one (CUDA events; GPU only).
+Sums are kept per batch-size bucket (the next power of two) so a benchmark can difference two
+snapshots.
 
 Fill rounds (EXTEND / PREFILL) are summed whole: count, requests, new tokens and wall seconds
 from the round's start to its sampled ids on the host (so they include the device time).
@@ -28,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PHASES = ("gap", "prepare", "forward", "sample_prep", "sample", "post")
+PHASES = ("gap", "prepare", "forward", "sample_prep", "sample", "wait", "post")
 
 
 @dataclass
@@ -42,7 +47,10 @@ class PhaseSums:
     forward: float = 0.0
     sample_prep: float = 0.0
     sample: float = 0.0
+    wait: float = 0.0
     post: float = 0.0
+    gpu_timed: int = 0
+    gpu_idle: float = 0.0
 
 
 def batch_bucket(bs: int) -> int:
@@ -102,6 +110,16 @@ class StepTimer:
         for k, v in self._cur.items():
             setattr(sums, k, getattr(sums, k) + v)
 
+    def discard(self) -> None:
+        """Close the open step without booking it (it launched nothing)."""
+        self._open = False
+
+    def gpu_idle(self, bs: int, seconds: float) -> None:
+        """Book the device's idle time before one decode step of bs rows."""
+        sums = self.buckets.setdefault(batch_bucket(bs), PhaseSums())
+        sums.gpu_timed += 1
+        sums.gpu_idle += seconds
+
     def fill_begin(self) -> None:
         """A fill round starts (it also breaks the decode chain)."""
         self._last_end = None
@@ -126,16 +144,19 @@ class StepTimer:
 
 def per_step_ms(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, Any]:
     """Mean ms per decode step by phase between two `snapshot`s (before None: since start),
-    total and per bucket; `host` is gap + prepare + sample_prep + post."""
+    total and per bucket; `host` is gap + prepare + sample_prep + post;
+    `gpu_idle_ms` the device's mean idle time before a decode step (None off the GPU)."""
 
     def diff(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any] | None:
-        d = {k: b[k] - (a[k] if a else 0) for k in b}
+        d = {k: b[k] - (a.get(k, 0) if a else 0) for k in b}
         if d["steps"] <= 0:
             return None
         n = d["steps"]
         out = {"steps": n, "mean_batch": d["requests"] / n}
         out.update({f"{p}_ms": d[p] / n * 1e3 for p in PHASES})
         out["host_ms"] = sum(out[f"{p}_ms"] for p in ("gap", "prepare", "sample_prep", "post"))
+        timed = d.get("gpu_timed", 0)
+        out["gpu_idle_ms"] = d["gpu_idle"] / timed * 1e3 if timed else None
         return out
 
     res: dict[str, Any] = {"total": diff(before["total"] if before else None, after["total"]),

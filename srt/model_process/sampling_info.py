@@ -1,104 +1,19 @@
-"""Requests as the model process sees them, and the per-step batch tensors built from them."""
+"""The per-step sampling tensors of a batch, built from its requests' parameters.
+
+The parameters that never change while a batch holds the same requests in the same order stay on
+the device between steps (`SamplingRows`); only what changes per step (positions for seeded rows,
+penalty counts, the min_new_tokens stop mask) is built again.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from srt.layers.sampler import SamplingBatchInfo
-from srt.managers.io_struct import LogprobOptions, TokenLogprobs
-from srt.sampling_params import SamplingParams
-
-
-@dataclass(eq=False)  # identity semantics: requests live in lists and sets
-class Req:
-    """One request (one sample) inside a model process.
-
-    KV state: while running, `req_pool_idx` is its row of req_to_token and the first `kv_len`
-    columns hold its slots. The first `len(prefix_indices)` of those belong to the radix tree and
-    are locked through `last_node`; the rest are the request's own until it is cached or freed.
-
-    Jump-forward may replace the unsent tail of `output_ids` (re-tokenized with the text the
-    pattern forces). While running, the request keeps its row: the KV of the replaced positions
-    is freed and `kv_valid` says how many leading positions still hold KV; the next step computes
-    the rest (`step_input_len` tokens instead of one). A request out of the running set holds no
-    row and no `kv_valid`.
-
-    Logprobs (when `logprob` is set): the prompt's are computed at the first fill only and wait in
-    `input_logprobs` until sent; `output_logprobs` has one entry per output id (kept across
-    retraction, like the ids), sent from `sent_len` on.
-    """
-
-    rid: str
-    origin_input_ids: list[int]
-    sampling_params: SamplingParams
-    stream: bool = False
-    group: str | None = None
-    arrival: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    req_pool_idx: int | None = None
-    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    last_node: Any = None
-    extend_input_len: int = 0
-    cached_tokens: int = -1  # prefix length found at the first admission (reported to the user)
-    finish_reason: dict[str, Any] | None = None
-    sent_len: int = 0  # output ids already sent on
-    retractions: int = 0
-    logprob: LogprobOptions | None = None
-    prompt_logprobs_done: bool = False
-    input_logprobs: TokenLogprobs | None = None  # computed, not sent yet
-    output_logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)
-    # Constrained decoding: the FSM compile in flight (set while waiting for it), then the shared
-    # compiled FSM and this request's state in it (advanced by every appended output token).
-    fsm_future: Any = None
-    fsm: Any = None
-    fsm_state: int = 0
-    # The prompt's image (srt.managers.router.image_pads.ReqImage): origin_input_ids hold its
-    # pad ids; kept until the request finishes (a retracted request may need it again).
-    image: Any = None
-    forward_passes: int = 0  # model forwards (fills and decode steps) this request took part in
-    kv_valid: int | None = None  # set by a jump while running: positions whose KV is still valid
-
-    @property
-    def fsm_pending(self) -> bool:
-        """Constrained, and its FSM not agreed ready yet: not admitted."""
-        return self.fsm_future is not None and self.fsm is None
-
-    @property
-    def fill_ids(self) -> list[int]:
-        return self.origin_input_ids + self.output_ids
-
-    @property
-    def kv_len(self) -> int:
-        """Tokens whose KV is in the pool while running: all but the last sampled one."""
-        return len(self.origin_input_ids) + len(self.output_ids) - 1
-
-    @property
-    def kv_computed(self) -> int:
-        """Leading positions of the row that hold KV while running (kv_len unless a jump
-        replaced ids that had KV)."""
-        return self.kv_len if self.kv_valid is None else self.kv_valid
-
-    @property
-    def step_input_len(self) -> int:
-        """Tokens the next step feeds for this running request: 1, or more after a jump."""
-        return len(self.origin_input_ids) + len(self.output_ids) - self.kv_computed
-
-    @property
-    def remaining_new_tokens(self) -> int:
-        return self.sampling_params.max_new_tokens - len(self.output_ids)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """Prompt logprobs were asked for and are not computed yet."""
-        return (self.logprob is not None and self.logprob.logprob_start_len >= 0
-                and not self.prompt_logprobs_done)
+from srt.model_process.req import Req
 
 
 @dataclass
@@ -152,14 +67,15 @@ def build_sampling_info(
         need_top_p_k=static.need_top_p_k,
         need_min_p=static.need_min_p,
         seeds=static.seeds,
-        positions=[len(r.output_ids) for r in reqs],
+        positions=[len(r.output_ids) + r.in_flight for r in reqs],
     )
     if any(p.uses_penalties for p in ps):
         _add_penalties(info, reqs, vocab_size, device)
     forbid = [
         (i, sorted(ids))
         for i, r in enumerate(reqs)
-        if len(r.output_ids) < r.sampling_params.min_new_tokens and (ids := stop_ids(r))
+        if len(r.output_ids) + r.in_flight < r.sampling_params.min_new_tokens
+        and (ids := stop_ids(r))
     ]
     if forbid:
         # A few ids per row: their flat positions go to the device, not a [bs, vocab] mask.

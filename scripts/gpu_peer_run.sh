@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# On one GPU: srt's benchmarks and, side by side in the same sitting, vLLM 0.26.0's (the peer kit
+# of ../shared/peer, whose three parts arrive one per call). Results as JSON and logs in $OUT.
+#   PART=1|2|3      copy that part of the vLLM bundle from .peer/$PART to /tmp/vllm-parts
+#   SRT="..."       srt stages, each "bench:shape": offline (W1), latency (B1), prefix (W2),
+#                   tests (the gpu-marked tests in TESTS); e.g. SRT="offline:llama3-8b tests"
+#   VLLM="..."      shapes to run vLLM on (needs all three parts copied; installs once)
+#   TAG=a           suffix of the result files (runs A and B of one sitting)
+# Wheels srt needs that the machine lacks travel in .whl (installed to /tmp/site).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/latest}
+TAG=${TAG:-a}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD
+if [ -n "${PART:-}" ]; then
+  mkdir -p /tmp/vllm-parts && cp .peer/"$PART"/* /tmp/vllm-parts/
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+run() {  # run NAME TIMEOUT CMD...
+  local name=$1 limit=$2; shift 2
+  echo "== $name"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -v "^\(rate\|engine rate\)=" "$OUT/$name.log" | tail -${TAIL:-12}
+  [ "$rc" = 0 ] || echo "!! $name exited $rc"
+}
+
+for stage in ${SRT:-}; do
+  bench=${stage%%:*}; shape=${stage#*:}
+  case $bench in
+    offline) run "srt_offline_${shape}_$TAG" 300 python3 benchmarks/bench_offline.py \
+               --shape "$shape" ${SRT_ARGS:-} --out "$OUT/srt_offline_${shape}_$TAG.json" ;;
+    latency) run "srt_latency_${shape}_$TAG" 240 python3 benchmarks/bench_latency.py \
+               --shape "$shape" --cuda-graph-max-bs 1 --runs 2 ${SRT_ARGS:-} \
+               --out "$OUT/srt_latency_${shape}_$TAG.json" ;;
+    prefix) run "srt_prefix_${shape}_$TAG" 240 python3 benchmarks/bench_prefix.py \
+              --shape "$shape" --mode cache ${SRT_ARGS:-} \
+              --out "$OUT/srt_prefix_${shape}_$TAG.json" ;;
+    tests) TAIL=25 run "gpu_tests_$TAG" ${TEST_TIMEOUT:-240} python3 -m pytest -q -rA -p no:cacheprovider \
+             ${TESTS:-tests/gpu/test_overlap_gpu.py} ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+
+if [ -n "${VLLM:-}" ]; then
+  source /tmp/vllm-parts/install_vllm.sh || { echo "!! vLLM install failed"; exit 1; }
+  for shape in $VLLM; do
+    run "vllm_${shape}_$TAG" 300 env $VLLM_ENV python3 /tmp/vllm-parts/vllm_bench.py "$shape" \
+      --out "$OUT/vllm_${shape}_$TAG.json"
+  done
+fi
+ls "$OUT"

@@ -1,0 +1,1 @@
+"""The model process of one TP rank: the loop and its components (see loop.py)."""

@@ -1,0 +1,168 @@
+"""The batch object: a list of requests and the per-request host arrays a step is built from.
+
+A `Batch` is either a fill batch (waiting requests admitted this round) or the running batch.
+Its arrays are kept in step with `reqs` by every mutator (`filter`, `merge`, `remove`) and
+updated in place by the step builders, not rebuilt from the requests each step:
+
+    rows[i]     the req_to_token row of reqs[i]
+    kv_lens[i]  positions of reqs[i] whose KV is computed or being computed by a launched step:
+                r.kv_len + r.in_flight for a decoding request (`check` asserts it)
+
+A step is described by a `StepPlan` (host arrays and the slots it writes); the step executor
+turns it into device tensors. A DECODE plan has no input ids: the executor takes each row's last
+sampled id from the device (so a step can be launched before the previous one's ids reach the
+host).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from srt.layers.forward_batch import ForwardMode, ImageSpanInput
+from srt.model_process.req import Req
+
+
+@dataclass
+class StepPlan:
+    """One forward: per forward row positions / rows / seq_lens (one row per request, except
+    a mixed step's several per jumped request), the slots it writes, and which row each request
+    samples from (None: row i for request i)."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    positions: np.ndarray
+    rows: np.ndarray
+    seq_lens: np.ndarray
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    out_cache_loc: torch.Tensor  # int64 CPU
+    input_ids: list[int] | None = None  # None: the rows' last sampled ids, on the device
+    sample_rows: list[int] | None = None
+    images: list[ImageSpanInput] | None = None
+
+    @property
+    def req_rows(self) -> np.ndarray:
+        """The req_to_token row of each request (its last sampled id goes there)."""
+        return np.array([r.req_pool_idx for r in self.reqs], dtype=np.int64) \
+            if self.sample_rows is not None else self.rows
+
+
+@dataclass
+class Batch:
+    reqs: list[Req] = field(default_factory=list)
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    kv_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @classmethod
+    def of(cls, reqs: Iterable[Req]) -> "Batch":
+        """A batch of running requests (rows assigned), arrays read from the requests."""
+        reqs = list(reqs)
+        return cls(reqs, np.array([r.req_pool_idx for r in reqs], dtype=np.int64),
+                   np.array([r.kv_len + r.in_flight for r in reqs], dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def __iter__(self):  # noqa: ANN204 - an iterator of Req
+        return iter(self.reqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.reqs)
+
+    # ------------------------------------------------------------------ membership
+
+    def filter(self, keep: Callable[[Req], bool]) -> list[Req]:
+        """Keep the requests for which keep(r) holds, in order; return the others."""
+        mask = np.fromiter((keep(r) for r in self.reqs), dtype=bool, count=len(self.reqs))
+        if mask.all():
+            return []
+        gone = [r for r, k in zip(self.reqs, mask) if not k]
+        self.reqs = [r for r, k in zip(self.reqs, mask) if k]
+        self.rows, self.kv_lens = self.rows[mask], self.kv_lens[mask]
+        return gone
+
+    def remove(self, reqs: Iterable[Req]) -> None:
+        """Take these requests out (retraction, aborts)."""
+        drop = set(map(id, reqs))
+        self.filter(lambda r: id(r) not in drop)
+
+    def merge(self, other: "Batch") -> None:
+        """Append other's requests after ours."""
+        self.reqs.extend(other.reqs)
+        self.rows = np.concatenate((self.rows, other.rows))
+        self.kv_lens = np.concatenate((self.kv_lens, other.kv_lens))
+
+    def check(self) -> None:
+        """The arrays agree with the requests (tests call it; it costs a pass over the batch)."""
+        assert len(self.rows) == len(self.kv_lens) == len(self.reqs)
+        for i, r in enumerate(self.reqs):
+            assert self.rows[i] == r.req_pool_idx, (i, r.rid)
+            if r.kv_valid is None:
+                assert self.kv_lens[i] == r.kv_len + r.in_flight, (i, r.rid, self.kv_lens[i])
+
+    # ------------------------------------------------------------------ steps
+
+    def prepare_fill(self, slots: torch.Tensor) -> StepPlan:
+        """The EXTEND (or PREFILL) step of a fill batch whose rows were just assigned: each
+        request computes its fill ids after its cached prefix into its share of `slots`."""
+        prefix = [len(r.prefix_indices) for r in self.reqs]
+        ext = [r.extend_input_len for r in self.reqs]
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        images: list[ImageSpanInput] = []
+        offset = 0
+        for r, pre, e in zip(self.reqs, prefix, ext):
+            input_ids.extend(r.fill_ids[pre:])
+            positions.append(np.arange(pre, pre + e, dtype=np.int64))
+            span = r.image.step_span(pre, e, offset) if r.image is not None else None
+            if span is not None:
+                images.append(span)
+            offset += e
+        self.rows = np.array([r.req_pool_idx for r in self.reqs], dtype=np.int64)
+        seq = np.array(prefix, dtype=np.int64) + np.array(ext, dtype=np.int64)
+        self.kv_lens = seq.copy()
+        mode = ForwardMode.EXTEND if any(prefix) else ForwardMode.PREFILL
+        return StepPlan(mode, list(self.reqs), np.concatenate(positions), self.rows.copy(), seq,
+                        prefix, ext, slots, input_ids=input_ids, images=images or None)
+
+    def prepare_decode(self, slots: torch.Tensor, launch: np.ndarray | None = None) -> StepPlan:
+        """The DECODE step of the requests where `launch` holds (all by default): one token
+        each at position kv_lens[i], whose KV goes to `slots`; their kv_lens grow by one."""
+        idx = np.arange(len(self.reqs)) if launch is None else np.flatnonzero(launch)
+        reqs = [self.reqs[i] for i in idx]
+        positions = self.kv_lens[idx]
+        self.kv_lens[idx] += 1
+        n = len(reqs)
+        return StepPlan(ForwardMode.DECODE, reqs, positions, self.rows[idx], positions + 1,
+                        positions.tolist(), [1] * n, slots)
+
+    def mixed_rows(self) -> int:
+        """Forward rows of the next step when some request jumped forward inside the batch."""
+        return sum(r.step_input_len for r in self.reqs)
+
+    def prepare_mixed(self, slots: torch.Tensor) -> StepPlan:
+        """The step after a jump inside the batch: each request computes its ids from
+        `kv_computed` on (one for most), one DECODE row per id; each samples from its last row.
+        Every request's kv_lens becomes its whole length."""
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        rows: list[np.ndarray] = []
+        last: list[int] = []
+        n = 0
+        for r in self.reqs:
+            start, ext = r.kv_computed, r.step_input_len
+            input_ids.extend(r.fill_ids[start:])
+            positions.append(np.arange(start, start + ext, dtype=np.int64))
+            rows.append(np.full(ext, r.req_pool_idx, dtype=np.int64))
+            n += ext
+            last.append(n - 1)
+            r.kv_valid = None
+            self.kv_lens[len(last) - 1] = start + ext
+        pos = np.concatenate(positions)
+        return StepPlan(ForwardMode.DECODE, list(self.reqs), pos, np.concatenate(rows), pos + 1,
+                        pos.tolist(), [1] * len(pos), slots, input_ids=input_ids,
+                        sample_rows=last)

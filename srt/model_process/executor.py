@@ -1,0 +1,194 @@
+"""The step executor: one forward, sampling and the TP broadcast of a `StepPlan`, launched
+without waiting for the device.
+
+`launch(plan)` copies the plan's integers to the device (one staged copy), writes the new
+tokens' slots into req_to_token (device and host mirror), runs the model, samples, stores each
+request's sampled id in `last_ids[row]` on the device and starts the copy of the ids (and
+logprobs) to the host. It returns an `InFlight`; `InFlight.wait()` gives the results. A DECODE
+plan without input ids reads them from `last_ids`, so step k+1 can be launched before step k's
+ids reach the host.
+
+Contract: the plans of launched steps are resolved (`wait`) in launch order, and a plan's
+requests must not be mutated on the host between its launch and its wait except as the loop
+does (appending the previous step's tokens). Sampling of a launched step reads each request's
+host state at launch: requests whose sampling needs the previous step's token on the host (an
+FSM mask, penalties, pending min_new_tokens) are launched only after that step was resolved.
+
+On a GPU each step records an event before its first copy and one after its last, so `wait`
+can book how long the device sat idle before the step (`StepTimer.gpu_idle`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from srt.constrained.mask import ForbiddenRows, merge_forbidden
+from srt.layers import parallel_state
+from srt.layers.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.sampler import sample
+from srt.managers.io_struct import TokenLogprobs
+from srt.model_process.batch import StepPlan
+from srt.model_process.logprob_step import StepLogprobs
+from srt.model_process.model_runner import ModelRunner
+from srt.model_process.radix_cache import shared_prefix_len
+from srt.model_process.req import Req
+from srt.model_process.sampling_info import SamplingRows, build_sampling_info
+from srt.model_process.step_inputs import StepInputBuilder
+from srt.model_process.step_timing import StepTimer
+
+
+@dataclass
+class StepResult:
+    ids: list[int]
+    prompt_logprobs: list[TokenLogprobs | None]
+    output_logprobs: list[TokenLogprobs | None]
+
+
+@dataclass
+class InFlight:
+    """A launched step whose results are on their way to the host."""
+
+    plan: StepPlan
+    ids_host: torch.Tensor
+    done: torch.cuda.Event | None
+    logprobs: StepLogprobs | None
+    timer: StepTimer
+    start: torch.cuda.Event | None = None  # recorded before the step's first device work
+    prev_end: torch.cuda.Event | None = None  # the end of the step launched before it
+    result: StepResult | None = None
+
+    def wait(self) -> StepResult:
+        """Block until the step's ids (and logprobs) are on the host; idempotent."""
+        if self.result is not None:
+            return self.result
+        if self.logprobs is not None:
+            ids, prompt, out = self.logprobs.collect()
+        else:
+            if self.done is not None:
+                self.done.synchronize()
+            none: list[TokenLogprobs | None] = [None] * len(self.plan.reqs)
+            ids, prompt, out = self.ids_host.tolist(), none, list(none)
+        if (self.start is not None and self.prev_end is not None
+                and self.plan.mode == ForwardMode.DECODE):
+            idle_ms = max(0.0, self.prev_end.elapsed_time(self.start))
+            self.timer.gpu_idle(len(self.plan.reqs), idle_ms / 1e3)
+        self.result = StepResult(ids, prompt, out)
+        return self.result
+
+
+class StepExecutor:
+    def __init__(self, runner: ModelRunner, vocab_size: int,
+                 stop_ids: Callable[[Req], set[int]], timer: StepTimer) -> None:
+        self.runner = runner
+        self.device = runner.device
+        self.vocab_size = vocab_size
+        self.stop_ids = stop_ids
+        self.timer = timer
+        self.req_pool = runner.req_to_token_pool
+        self.inputs = StepInputBuilder(self.device)
+        self.last_ids = torch.zeros(self.req_pool.size, dtype=torch.int64, device=self.device)
+        self.sampling_rows: SamplingRows | None = None  # the last batch's, reused while equal
+        self.mask_rows: ForbiddenRows | None = None  # device mask rows per (FSM, state)
+        self._timed = self.device.type == "cuda"
+        self._last_end: torch.cuda.Event | None = None
+
+    def _event(self) -> torch.cuda.Event | None:
+        if not self._timed:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> InFlight:
+        dev = self.device
+        start = self._event()
+        reqs = plan.reqs
+        t = self.inputs.build(plan.input_ids, plan.positions, plan.out_cache_loc, plan.rows,
+                              plan.seq_lens)
+        input_ids = t.input_ids
+        if plan.input_ids is None:  # each row's last sampled id, never seen by the host
+            input_ids = self.last_ids.index_select(0, t.req_pool_indices)
+        if plan.mode == ForwardMode.DECODE:  # the new tokens' slots: req_to_token[row, position]
+            self.req_pool.req_to_token[t.req_pool_indices, t.positions] = \
+                t.out_cache_loc.to(torch.int32)
+            if self.req_pool.host is not self.req_pool.req_to_token:
+                self.req_pool.host.numpy()[plan.rows, plan.positions] = \
+                    plan.out_cache_loc.numpy()
+        seq_cpu = plan.seq_lens.tolist()
+        fb = ForwardBatch(
+            forward_mode=plan.mode,
+            batch_size=len(plan.rows),
+            input_ids=input_ids,
+            positions=t.positions,
+            out_cache_loc=t.out_cache_loc,
+            req_pool_indices=t.req_pool_indices,
+            seq_lens=t.seq_lens,
+            seq_lens_cpu=seq_cpu,
+            prefix_lens_cpu=plan.prefix_lens,
+            extend_lens_cpu=plan.extend_lens,
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.runner.token_to_kv_pool,
+            attn_backend=self.runner.attn_backend,
+            images=plan.images,
+        )
+        if (plan.mode == ForwardMode.DECODE and plan.sample_rows is None
+                and self.runner.wants_shared_prefix(len(reqs))):
+            fb.shared_prefix_len = shared_prefix_len([r.last_node for r in reqs])
+        lps = None
+        if any(r.logprob is not None for r in reqs):
+            lps = StepLogprobs(reqs, plan.mode, plan.prefix_lens, plan.extend_lens, dev)
+            fb.prompt_logprobs = lps.prompt_request
+        self.timer.mark("prepare")
+        logits = self.runner.forward(fb)
+        req_rows = t.req_pool_indices
+        if plan.sample_rows is not None:
+            both = torch.from_numpy(np.stack((np.asarray(plan.sample_rows, dtype=np.int64),
+                                              plan.req_rows))).to(dev, non_blocking=True)
+            logits, req_rows = logits.index_select(0, both[0]), both[1]
+        self.timer.mark("forward")
+        assert logits.shape[-1] == self.vocab_size
+        # The sampling tensors and masks after the launch: on a GPU the host builds them while
+        # the device runs the forward (every copy in them is non-blocking).
+        info, self.sampling_rows = build_sampling_info(
+            reqs, self.vocab_size, dev, self.stop_ids, self.sampling_rows)
+        if any(r.fsm is not None for r in reqs):
+            fsm_rows = [(r.fsm, r.fsm_state) if r.fsm is not None else None for r in reqs]
+            if self.mask_rows is None:
+                self.mask_rows = ForbiddenRows(logits.shape[-1], dev)
+            info.forbidden = merge_forbidden(info.forbidden, self.mask_rows.batch(fsm_rows))
+        self.timer.mark("sample_prep")
+        ids = sample(logits, info, self.runner.sampler_generator)
+        # Rank 0 samples for all: ranks hold bitwise-equal logits and generators, but one
+        # small broadcast makes it impossible for their schedules to drift apart.
+        ids = parallel_state.broadcast_from_first(ids)
+        self.last_ids.index_copy_(0, req_rows, ids)
+        done = None
+        if lps is not None:
+            # Logprobs of the raw logits (the model's distribution), moved with the ids.
+            lps.launch(logits, ids)
+            host = ids
+        elif dev.type == "cuda":
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = ids
+        for r in reqs:
+            r.forward_passes += 1
+            r.in_flight += 1
+        end = self._event()
+        inflight = InFlight(plan, host, done, lps, self.timer, start, self._last_end)
+        self._last_end = end
+        self.timer.mark("sample")
+        return inflight
+
+    def break_chain(self) -> None:
+        """The next step follows host work that is not a decode step (a fill, a pause): its
+        device idle time is not booked."""
+        self._last_end = None

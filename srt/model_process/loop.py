@@ -1,0 +1,283 @@
+"""The model process of one TP rank: the loop that orchestrates its components.
+
+Each StepInput from the router adds requests and aborts; then one round runs either a fill
+batch (EXTEND/PREFILL) or a few DECODE steps of the running batch. Rank 0 answers with a
+StepOutput; every rank sees the same inputs, so every rank makes the same decisions.
+
+Overlap (on by default, `--disable-overlap-schedule` turns it off): a launched decode step is
+left in flight. The next one is launched from its sampled ids on the device (`Batch`,
+`StepExecutor`), and only then are its ids read and its host work done (appending, stop checks,
+streaming, finishing), while the device computes; a round ends with a step in flight, so the
+router round trip overlaps it too. A batch whose sampling needs the previous token on the host
+(an FSM mask, penalties) or whose KV needs a retraction resolves the step in flight first.
+A request finished by step k that was already launched into step k+1 has that step's slot
+freed and its token dropped.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import numpy as np
+
+from srt.heap import HeapTrimmer
+from srt.managers.io_struct import (AbortReq, BatchTokenIdOut, FlushCacheReq, GetStatsReq,
+                                    StatsOut, StepInput, StepOutput, TokenizedGenerateReq,
+                                    TokenOut)
+from srt.model_config import ModelConfig
+from srt.model_process.batch import Batch
+from srt.model_process.constraints import ConstraintManager
+from srt.model_process.executor import InFlight, StepExecutor
+from srt.model_process.intake import flush_cache, new_req
+from srt.model_process.kv import KVManager
+from srt.model_process.logprob_step import prefix_limit
+from srt.model_process.model_runner import ModelRunner
+from srt.model_process.output import OutputProcessor
+from srt.model_process.policy import TokenRatio, select_fill
+from srt.model_process.retraction import make_room
+from srt.model_process.radix_cache import RadixCache
+from srt.model_process.req import FinishReason, Req, ReqStatus
+from srt.model_process.stats import Counters, maybe_log, stats
+from srt.model_process.warmup import warm_up
+from srt.server_args import ServerArgs
+
+# Decode steps per round while nothing waits: amortizes the router round trip; a waiting request
+# is reconsidered after every step.
+DECODE_STEPS_PER_ROUND = 4
+
+
+class ModelProcess:
+    def __init__(self, args: ServerArgs, tp_rank: int, dist_init_port: int | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.args, self.tp_rank = args, tp_rank
+        self.config = ModelConfig.load(args.model_path, args.context_length)
+        self.runner = ModelRunner(args, self.config, tp_rank, dist_init_port)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+        pool = self.runner.token_to_kv_pool
+        self.kv = KVManager(pool, self.runner.req_to_token_pool,
+                            RadixCache(pool, disable=args.disable_radix_cache))
+        self.waiting: list[Req] = []
+        self.batch = Batch()  # the running requests
+        self.inflight: InFlight | None = None  # the last launched decode step, not yet read
+        self.overlap = not args.disable_overlap_schedule
+        self.ratio = TokenRatio.from_conservativeness(args.schedule_conservativeness)
+        self.rng = random.Random(args.random_seed)
+        self.arrivals = 0
+        eos_ids = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos_ids.add(int(self.tokenizer.eos_token_id))
+        self.output = OutputProcessor(self.tokenizer, eos_ids, args.stream_interval)
+        self.counters = Counters()
+        self.executor = StepExecutor(self.runner, self.config.vocab_size, self.output.stop_ids,
+                                     self.counters.timer)
+        self.constraints = ConstraintManager(args, self.tokenizer, self.runner.device, self.kv,
+                                             self.output)
+        self.heap = HeapTrimmer()  # the process loop trims when idle and every 30 s of work
+        # On a GPU the first fills compile kernels; on the CPU there is nothing to warm up.
+        if not args.skip_warmup and self.runner.device.type == "cuda":
+            warm_up(self)
+
+    @property
+    def running(self) -> list[Req]:
+        return self.batch.reqs
+
+    def reset_stats(self) -> None:
+        self.counters = Counters()
+        self.executor.timer = self.counters.timer
+        self.output.generated = 0
+        self.constraints.jumps = self.constraints.jump_tokens = 0
+
+    def stats(self) -> dict[str, Any]:
+        return stats(self)
+
+    # ------------------------------------------------------------------ one round
+
+    def step(self, inp: StepInput) -> StepOutput:
+        outs: list[TokenOut] = []
+        if self.inflight is not None and (inp.aborts or inp.controls):
+            self._resolve(outs)  # aborts and controls see every request's host state
+        for r in inp.reqs:
+            self._add_request(r)
+        for a in inp.aborts:
+            self._abort(a, outs)
+        controls = [self._control(c) for c in inp.controls]
+        for r in self.constraints.resolve(self.waiting):
+            self.waiting.remove(r)
+            outs.append(self.output.token_out(r))
+        fill = select_fill(self.waiting, self.running, self.kv, self.args, self.rng,
+                           self.ratio.value, prefix_limit) if self.waiting else []
+        if fill:
+            self._fill(fill, outs)
+        elif self.batch:
+            for _ in range(1 if self.waiting else DECODE_STEPS_PER_ROUND):
+                if not self.batch or self._decode_step(outs):
+                    break  # done, or a request jumped forward: extend it in the next round
+        elif self.waiting and all(r.fsm_pending for r in self.waiting):
+            time.sleep(0.001)  # only FSM compiles pending: do not spin the router at full speed
+        if self.inflight is not None and not self.batch:
+            self._resolve(outs)  # every request of it finished meanwhile
+        maybe_log(self)
+        return StepOutput(BatchTokenIdOut(outs) if outs else None, controls,
+                          has_work=bool(self.batch or self.waiting))
+
+    def _add_request(self, r: TokenizedGenerateReq) -> None:
+        self.arrivals += 1
+        req = new_req(r, self.arrivals, self.config)
+        if req.sampling_params.constraint_key is not None:
+            req.fsm_future = self.constraints.compile(req.sampling_params)
+        self.waiting.append(req)
+
+    def _abort(self, a: AbortReq, outs: list[TokenOut]) -> None:
+        for req in self.waiting + self.running:
+            if req.rid == a.rid:
+                if req.status == ReqStatus.RUNNING:
+                    self.batch.remove([req])
+                    self.kv.cache_finished(req)
+                else:
+                    self.waiting.remove(req)
+                req.end(FinishReason.abort(a.message))
+                outs.append(self.output.token_out(req))
+                return
+
+    def _control(self, c: Any) -> Any:
+        if isinstance(c, FlushCacheReq):
+            return flush_cache(c, self.kv, len(self.running), len(self.waiting))
+        if isinstance(c, GetStatsReq):
+            return StatsOut(c.rid, self.stats())
+        raise ValueError(f"unknown control message {type(c).__name__}")
+
+    # ------------------------------------------------------------------ fill
+
+    def _fill(self, reqs: list[Req], outs: list[TokenOut]) -> None:
+        """Launch the fill batch, read the decode step in flight meanwhile, then the fill's
+        results; the fill's running requests join the batch."""
+        self.counters.timer.fill_begin()
+        fill = Batch(reqs)
+        slots = self.kv.alloc_slots(sum(r.extend_input_len for r in reqs))
+        self.kv.assign_rows(reqs, slots)
+        for r in reqs:
+            r.status = ReqStatus.RUNNING
+            if r.cached_tokens < 0:
+                r.cached_tokens = len(r.prefix_indices)
+                self.counters.prompt_tokens += len(r.origin_input_ids)
+                self.counters.cached_tokens += r.cached_tokens
+        plan = fill.prepare_fill(slots)
+        launched = self.executor.launch(plan)
+        if self.inflight is not None:
+            self._resolve(outs)
+        self._apply(launched, outs)
+        fill.filter(lambda r: r.status == ReqStatus.RUNNING)
+        self.batch.merge(fill)
+        self.counters.timer.fill_end(len(reqs), len(plan.positions))
+        self.executor.break_chain()
+
+    # ------------------------------------------------------------------ decode
+
+    def _chainable(self) -> bool:
+        """Every running request can be launched before the host has its previous token: no
+        FSM mask and no penalties (both read the output so far), no pending jump."""
+        return not any(r.fsm is not None or r.kv_valid is not None
+                       or r.sampling_params.uses_penalties for r in self.running)
+
+    def _decode_step(self, outs: list[TokenOut]) -> bool:
+        """Launch one step of the running batch and read the one before it (overlapped), or
+        launch and read it (plain). True if a request jumped out of the batch."""
+        timer = self.counters.timer
+        timer.begin()
+        prev = self.inflight
+        if prev is not None:
+            launch = np.fromiter((len(r.output_ids) + r.in_flight < r.sampling_params
+                                  .max_new_tokens for r in self.running), dtype=bool)
+            n = int(launch.sum())
+            if not n or not self._chainable() or self.kv.room() < n:
+                if self._resolve(outs) or not self.batch:
+                    timer.discard()
+                    return True
+                prev = None
+        if prev is None:
+            make_room(self)
+            if any(r.kv_valid is not None for r in self.running):
+                plan = self.batch.prepare_mixed(self.kv.alloc_slots(self.batch.mixed_rows()))
+                self.counters.mixed_steps += 1
+            else:
+                plan = self.batch.prepare_decode(self.kv.alloc_slots(len(self.batch)))
+        else:
+            plan = self.batch.prepare_decode(self.kv.alloc_slots(n), launch)
+        self.inflight = self.executor.launch(plan)
+        self.ratio.step()
+        jumped = False
+        if prev is not None:
+            self.counters.overlapped_steps += 1
+            jumped = self._read(prev, outs, then=self.inflight)
+        elif not self.overlap:
+            jumped = self._resolve(outs)
+        timer.end(len(plan.reqs))
+        return jumped
+
+    def retract(self, req: Req) -> None:
+        """Back to the waiting queue; its KV goes into the tree (evictable), its progress is
+        kept. Nothing is in flight."""
+        assert not req.in_flight, "retraction with a step in flight"
+        self.batch.remove([req])
+        self.kv.cache_finished(req)
+        req.retractions += 1
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
+
+    # ------------------------------------------------------------------ results
+
+    def _resolve(self, outs: list[TokenOut]) -> bool:
+        """Read the decode step in flight; True if a request jumped out of the batch."""
+        prev, self.inflight = self.inflight, None
+        return prev is not None and self._read(prev, outs, then=None)
+
+    def _read(self, step: InFlight, outs: list[TokenOut], then: InFlight | None) -> bool:
+        """Wait for a decode step's results and do its host work. `then`: the step launched
+        after it, into which the requests this one finishes were launched for nothing."""
+        self._apply(step, outs, then)
+        self.batch.filter(lambda r: r.status == ReqStatus.RUNNING)
+        return any(r.status == ReqStatus.WAITING for r in step.plan.reqs)
+
+    def _apply(self, step: InFlight, outs: list[TokenOut], then: InFlight | None = None) -> None:
+        res = step.wait()
+        self.counters.timer.mark("wait")
+        fill = step.plan.mode.is_extend()
+        live: list[Req] = []
+        for r, tok, prompt_lp, out_lp in zip(step.plan.reqs, res.ids, res.prompt_logprobs,
+                                             res.output_logprobs):
+            r.in_flight -= 1
+            if r.finished:  # finished after this step was launched: its slot was freed then
+                continue
+            live.append(r)
+            if fill:
+                self.kv.cache_filled(r)
+                if prompt_lp is not None:
+                    r.input_logprobs, r.prompt_logprobs_done = prompt_lp, True
+                if r.sampling_params.max_new_tokens == 0 and not r.output_ids:
+                    r.end(FinishReason.of_length(0))
+                    continue
+            self.output.append(r, tok, out_lp)
+        if then is not None:
+            gone = [i for i, r in enumerate(then.plan.reqs) if r.finished]
+            if gone:
+                self.kv.pool.free(then.plan.out_cache_loc[gone])
+                for i in gone:
+                    then.plan.reqs[i].forward_passes -= 1
+        for r in live:
+            self._settle(r, outs)
+
+    def _settle(self, r: Req, outs: list[TokenOut]) -> None:
+        """Jump forward where a pattern forces text, finish what finished, emit outputs."""
+        jumped = not r.finished and self.constraints.jump_forward(r)
+        if r.finished:
+            self.kv.cache_finished(r)
+            outs.append(self.output.token_out(r))
+            return
+        if jumped:
+            r.status = ReqStatus.WAITING
+            self.waiting.append(r)
+        if self.output.due(r):
+            outs.append(self.output.token_out(r))

@@ -1,0 +1,78 @@
+"""Entry of one TP rank's model process: build the ModelProcess, report ready, then loop on the
+router's StepInputs (rank 0 answers each with a StepOutput)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from srt.model_process.loop import ModelProcess
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> None:
+    """Entry of one TP rank's process: build everything, report ready (or the traceback), loop."""
+    import zmq
+
+    from srt.faults import fault_point
+    from srt.managers.comm import PullSocket, PushSocket
+    from srt.utils import run_loop, start_child
+    from srt.watchdog import IDLE_POLL_MS
+
+    sockets: list[Any] = []
+
+    def build() -> ModelProcess:
+        server = ModelProcess(args, tp_rank, ports.dist_init_port)
+        ctx = zmq.Context()
+        sockets.append(PullSocket(ctx, ports.router_to_model[tp_rank]))
+        sockets.append(PushSocket(ctx, ports.model_to_router) if tp_rank == 0 else None)
+        return server
+
+    def ready_info(server: ModelProcess) -> dict[str, Any]:
+        info = server.runner.info()
+        logger.info(
+            "model %s (%s) on %s, dtype %s, attention %s; weights %.2f GB; KV pool %d tokens "
+            "(%.2f GB); up to %d running requests; context length %d",
+            args.model_path, server.config.architecture, info.device, info.dtype,
+            info.attention_backend, info.weight_gb, info.max_total_num_tokens, info.kv_gb,
+            info.max_running_requests, server.config.context_len,
+        )
+        return {
+            "max_total_num_tokens": info.max_total_num_tokens,
+            "context_length": server.config.context_len,
+            "vocab_size": server.config.vocab_size,
+            "image_token_id": server.config.image_token_id,
+            "image_tokens": server.config.image_tokens,
+            "image_size": server.config.image_size,
+            "device": info.device,
+            "dtype": info.dtype,
+            "attention_backend": info.attention_backend,
+            "weight_bytes_per_rank": server.runner.weight_bytes,
+            "cuda_graph": server.runner.graph_runner is not None,
+        }
+
+    server = start_child(link, args.log_level, f"model tp{tp_rank}", build, ready_info)
+    inbox, outbox = sockets
+    fault = fault_point(args.fault, f"model{tp_rank}")
+    heartbeat = link.heartbeat
+
+    def loop() -> None:
+        while True:
+            inp = inbox.recv(IDLE_POLL_MS)
+            heartbeat.beat()  # idle, or a round done: progress either way
+            if inp is None:
+                if not (server.running or server.waiting):
+                    server.heap.idle()
+                continue
+            work = bool(inp.reqs or server.running or server.waiting)
+            if work:
+                fault.tick()
+            out = server.step(inp)
+            if work:
+                server.heap.busy()
+            if outbox is not None:
+                outbox.send(out)
+
+    run_loop(f"model process (TP rank {tp_rank})", loop)

@@ -1,0 +1,154 @@
+"""Requests as the model process sees them: status, KV state, progress and a typed finish reason."""
+
+from __future__ import annotations
+
+import enum
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from srt.managers.io_struct import LogprobOptions, TokenLogprobs
+from srt.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from srt.constrained.fsm import TokenFSM
+    from srt.model_process.image_pads import ReqImage
+    from srt.model_process.radix_cache import TreeNode
+
+
+class ReqStatus(enum.Enum):
+    WAITING = enum.auto()  # in the waiting queue (new, retracted, or jumped out of the batch)
+    RUNNING = enum.auto()  # in the running batch: holds a req_to_token row
+    FINISHED = enum.auto()  # done; its last output is (being) sent
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request ended. `to_dict` is the wire form the detokenizer and the HTTP process
+    read: {"type": "stop", "matched": id | str | None}, {"type": "length", "length": n} or
+    {"type": "abort", "message": text}."""
+
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None
+    length: int = 0
+    message: str = ""
+
+    @classmethod
+    def stop(cls, matched: int | str | None) -> "FinishReason":
+        return cls("stop", matched=matched)
+
+    @classmethod
+    def of_length(cls, n: int) -> "FinishReason":
+        return cls("length", length=n)
+
+    @classmethod
+    def abort(cls, message: str) -> "FinishReason":
+        return cls("abort", message=message)
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.type == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        return {"type": "abort", "message": self.message}
+
+
+@dataclass(eq=False)  # identity semantics: requests live in lists and sets
+class Req:
+    """One request (one sample) inside a model process.
+
+    KV state: while running, `req_pool_idx` is its row of req_to_token and the first `kv_len`
+    columns hold its slots. The first `len(prefix_indices)` of those belong to the radix tree and
+    are locked through `last_node`; the rest are the request's own until it is cached or freed.
+
+    Jump-forward may replace the unsent tail of `output_ids` (re-tokenized with the text the
+    pattern forces). While running, the request keeps its row: the KV of the replaced positions
+    is freed and `kv_valid` says how many leading positions still hold KV; the next step computes
+    the rest (`step_input_len` tokens instead of one). A request out of the running set holds no
+    row and no `kv_valid`.
+
+    Logprobs (when `logprob` is set): the prompt's are computed at the first fill only and wait in
+    `input_logprobs` until sent; `output_logprobs` has one entry per output id (kept across
+    retraction, like the ids), sent from `sent_len` on.
+    """
+
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    group: str | None = None
+    arrival: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None
+    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    last_node: TreeNode | None = None
+    extend_input_len: int = 0
+    cached_tokens: int = -1  # prefix length found at the first admission (reported to the user)
+    finish: FinishReason | None = None
+    status: ReqStatus = ReqStatus.WAITING
+    sent_len: int = 0  # output ids already sent on
+    retractions: int = 0
+    logprob: LogprobOptions | None = None
+    prompt_logprobs_done: bool = False
+    input_logprobs: TokenLogprobs | None = None  # computed, not sent yet
+    output_logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)
+    # Constrained decoding: the FSM compile in flight (set while waiting for it), then the shared
+    # compiled FSM and this request's state in it (advanced by every appended output token).
+    fsm_future: Future | None = None
+    fsm: TokenFSM | None = None
+    fsm_state: int = 0
+    # The prompt's image (srt.model_process.image_pads.ReqImage): origin_input_ids hold its
+    # pad ids; kept until the request finishes (a retracted request may need it again).
+    image: ReqImage | None = None
+    forward_passes: int = 0  # model forwards (fills and decode steps) this request took part in
+    kv_valid: int | None = None  # set by a jump while running: positions whose KV is still valid
+    # Launched steps whose tokens are not on the host yet (the overlapped loop): each one
+    # writes the KV of one more position, and output_ids lack its token.
+    in_flight: int = 0  # launched steps not resolved yet (2 for a moment while chaining)
+
+    @property
+    def fsm_pending(self) -> bool:
+        """Constrained, and its FSM not agreed ready yet: not admitted."""
+        return self.fsm_future is not None and self.fsm is None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose KV is in the pool while running: all but the last sampled one."""
+        return len(self.origin_input_ids) + len(self.output_ids) - 1
+
+    @property
+    def kv_computed(self) -> int:
+        """Leading positions of the row that hold KV while running (kv_len unless a jump
+        replaced ids that had KV)."""
+        return self.kv_len if self.kv_valid is None else self.kv_valid
+
+    @property
+    def step_input_len(self) -> int:
+        """Tokens the next step feeds for this running request: 1, or more after a jump."""
+        return len(self.origin_input_ids) + len(self.output_ids) - self.kv_computed
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    def end(self, reason: FinishReason) -> None:
+        self.finish = reason
+        self.status = ReqStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and are not computed yet."""
+        return (self.logprob is not None and self.logprob.logprob_start_len >= 0
+                and not self.prompt_logprobs_done)
+
+

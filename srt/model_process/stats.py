@@ -1,0 +1,82 @@
+"""The model process's counters, its `/get_server_info` figures and the periodic stats line."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from srt.model_process.step_timing import StepTimer
+
+if TYPE_CHECKING:
+    from srt.model_process.loop import ModelProcess
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    retracted: int = 0
+    mixed_steps: int = 0  # steps of the running batch after jumps inside it
+    overlapped_steps: int = 0  # decode steps launched before the previous one was read
+    timer: StepTimer = field(default_factory=StepTimer)
+    last_log: float = field(default_factory=time.monotonic)
+    generated_at_log: int = 0
+
+
+def stats(p: ModelProcess) -> dict[str, Any]:
+    info = p.runner.info()
+    c = p.counters
+    return {
+        "max_total_num_tokens": info.max_total_num_tokens,
+        "available_kv_tokens": p.kv.pool.available_size(),
+        "evictable_kv_tokens": p.kv.tree.evictable_size(),
+        "locked_kv_tokens": p.kv.tree.locked_size(),
+        "num_running_reqs": len(p.running),
+        "num_waiting_reqs": len(p.waiting),
+        "cache_hit_rate": c.cached_tokens / max(1, c.prompt_tokens),
+        "retracted_reqs": c.retracted,
+        "jump_forwards": p.constraints.jumps,
+        "jump_forward_tokens": p.constraints.jump_tokens,
+        "jump_forward_batch_steps": c.mixed_steps,
+        "overlapped_decode_steps": c.overlapped_steps,
+        "overlap_schedule": p.overlap,
+        "max_running_requests": info.max_running_requests,
+        "device": info.device,
+        "dtype": info.dtype,
+        "attention_backend": info.attention_backend,
+        "context_length": p.config.context_len,
+        "tp_size": p.args.tp_size,
+        # Each rank holds this many tokens of KV for its own heads.
+        "kv_pool_per_rank": {
+            "tokens": info.max_total_num_tokens,
+            "kv_heads": p.runner.model_kv_heads(),
+            "gb": round(info.kv_gb, 4),
+        },
+        "decode_step_times": c.timer.snapshot(),
+        "heap": p.heap.stats(),
+    }
+
+
+def maybe_log(p: ModelProcess) -> None:
+    """Rank 0, every --log-stats-interval seconds while busy: one line of load figures."""
+    c = p.counters
+    now = time.monotonic()
+    if p.tp_rank != 0 or now - c.last_log < p.args.log_stats_interval:
+        return
+    generated = p.output.generated - c.generated_at_log
+    if p.running or p.waiting or generated:
+        total = p.runner.max_total_num_tokens
+        used = total - p.kv.pool.available_size()
+        logger.info(
+            "running=%d waiting=%d kv_used=%.1f%% (%d/%d tokens, %d evictable) "
+            "cache_hit_rate=%.1f%% gen_throughput=%.1f tok/s",
+            len(p.running), len(p.waiting), 100.0 * used / total, used, total,
+            p.kv.tree.evictable_size(), 100.0 * c.cached_tokens / max(1, c.prompt_tokens),
+            generated / (now - c.last_log),
+        )
+    c.generated_at_log = p.output.generated
+    c.last_log = now

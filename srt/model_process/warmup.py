@@ -1,0 +1,56 @@
+"""Start-up warm-up: a few requests served before the model process reports ready."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from srt.managers.io_struct import StepInput, TokenizedGenerateReq
+
+if TYPE_CHECKING:
+    from srt.model_process.loop import ModelProcess
+
+logger = logging.getLogger(__name__)
+
+
+def warm_up(p: ModelProcess) -> None:
+    """Serve a few requests before reporting ready, so that the kernels of the fill paths (a
+    PREFILL batch of three prompts, then an EXTEND batch with and without a cached prefix; odd
+    and even token counts), of sampling and of decode steps are compiled and loaded now rather
+    than inside the first users' requests (a fill otherwise pays seconds of Triton
+    compilation). Every rank runs the same requests; the cache, the random generator and the
+    statistics are reset afterwards."""
+    # Small enough for any pool and context that can serve anything at all.
+    n = min(96, p.kv.pool.size // 8, p.config.context_len - 8)
+    if n < 8:
+        return
+    t = time.perf_counter()
+    rng_state = p.rng.getstate()
+    vocab = p.config.vocab_size
+
+    def ids(mult: int, length: int) -> list[int]:
+        return [(mult * i + mult) % vocab for i in range(length)]
+
+    params = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 3, "ignore_eos": True}
+    first = ids(7, n)
+    rounds = [[first, ids(11, n // 2 + 1), ids(13, n // 3)],          # PREFILL, 3 prompts
+              [first[: n // 2] + ids(17, n // 4 + 1), ids(19, n // 5)]]  # EXTEND, mixed
+    for k, prompts in enumerate(rounds):
+        reqs = [TokenizedGenerateReq(f"warmup-{k}-{i}", x, dict(params))
+                for i, x in enumerate(prompts)]
+        p.step(StepInput(reqs=reqs))
+        for _ in range(100):
+            if not (p.waiting or p.running):
+                break
+            p.step(StepInput())
+        else:
+            raise RuntimeError("warm-up requests did not finish in 100 rounds")
+    warm = getattr(p.runner.attn_backend, "warm_up_eager_decode", None)
+    if warm is not None:
+        warm(p.kv.req_pool.req_to_token, *p.kv.pool.get_kv_buffer(0))
+    p.kv.tree.reset()
+    p.rng.setstate(rng_state)
+    p.arrivals = 0
+    p.reset_stats()
+    logger.info("warm-up requests served in %.2f s", time.perf_counter() - t)
