@@ -23,6 +23,24 @@ end-to-end latency, in ms.
 `--compare-engine` then runs the same configurations through `srt.Engine` in this process
 (one blocking `generate` per request on a thread pool of the concurrency, no streaming) and
 prints HTTP throughput over the Engine's; the target is >= 0.8 at concurrency 64.
+
+`--workload long-mix`: what long prompts do to the streams around them. For `--duration`
+seconds, short streamed requests (`--input-len` 256 ids, `--output-len` 256 out, ignore_eos)
+arrive as a Poisson process at each `--request-rate` (default 4/s; at most `--max-concurrency`
+in flight, counting the short ones only), and one `--long-input-len` (8192) -token prompt with
+`--long-output-len` (32) tokens out, its own stream, is sent every `--long-interval` (3) seconds,
+the first at one interval in. Every prompt is unique (no prefix hits). One short and one long
+warm-up request come first, then the cache is flushed. Reported for the short streams: TTFT
+p50/p99, inter-token gap p50/p99/max and the number of gaps over `--gap-threshold-ms` (150);
+for the long requests: TTFT p50/max; the largest gaps with their times go into the JSON next to
+the long requests' send and first-token times. The launched server gets a context of
+max(the shape's, 32768) when the long prompt needs more than the shape's.
+
+    python3 benchmarks/bench_serving.py --launch --shape llama3-8b --workload long-mix \
+        --request-rate 8 --duration 60 --chunked-prefill-size 8192 --out long_mix.json
+
+Any srt.ServerArgs flag this script does not define passes through to the launched server (and
+to `--compare-engine`'s Engine), e.g. `--chunked-prefill-size 8192 --enable-mixed-chunk`.
 """
 
 from __future__ import annotations
@@ -44,8 +62,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import Shape, add_engine_args, engine_kwargs, hardware, print_table, \
-    start_engine, write_json, write_shape_dir
+from benchmarks.common import SHAPES, Shape, add_engine_args, engine_kwargs, hardware, \
+    parse_with_server_args, print_table, start_engine, write_json, write_shape_dir
 from benchmarks.progress import Progress
 from benchmarks.serving_client import RequestResult, RequestSpec, send_request
 
@@ -186,6 +204,98 @@ def run_engine(engine: Any, specs: list[RequestSpec], cfg: RunConfig, seed: int,
     return {k: v for k, v in row.items() if not k.startswith(("ttft", "itl", "tpot"))}
 
 
+@dataclass(frozen=True)
+class MixItem:
+    spec: RequestSpec
+    at: float  # send offset, s
+    long: bool
+
+
+def make_long_mix(a: Any, rate: float) -> list[MixItem]:
+    """The long-mix requests for one short-request rate, sorted by send time."""
+    if not 0 < rate < float("inf"):
+        raise SystemExit("--workload long-mix needs a finite --request-rate > 0")
+    rng = random.Random(a.seed)
+    items: list[MixItem] = []
+    t = rng.expovariate(rate)
+    while t < a.duration:
+        ids = [rng.randrange(2, a.max_token_id) for _ in range(a.input_len)]
+        items.append(MixItem(RequestSpec(ids, a.output_len), t, False))
+        t += rng.expovariate(rate)
+    t = a.long_interval
+    while t < a.duration:
+        ids = [rng.randrange(2, a.max_token_id) for _ in range(a.long_input_len)]
+        items.append(MixItem(RequestSpec(ids, a.long_output_len), t, True))
+        t += a.long_interval
+    return sorted(items, key=lambda x: x.at)
+
+
+def summarize_long_mix(items: list[MixItem], results: list[RequestResult], start: float,
+                       wall: float, gap_ms: float) -> dict[str, Any]:
+    """Short streams: throughput, TTFT and inter-token gaps; long requests: TTFT. Times in the
+    `gaps` / `long` lists are seconds from the run's start."""
+    short = [r for it, r in zip(items, results) if not it.long]
+    long_ = [(it, r) for it, r in zip(items, results) if it.long]
+    row = summarize(short, wall)
+    row = {k: v for k, v in row.items() if not k.startswith(("tpot", "e2e"))}
+    gaps = np.asarray([x for r in short if r.ok for x in r.itl]) * 1e3
+    row["itl_ms_max"] = float(gaps.max()) if gaps.size else float("nan")
+    row["gaps"] = int(gaps.size)
+    row[f"gaps_over_{gap_ms:g}ms"] = int((gaps > gap_ms).sum())
+    big = []  # (when the gap ended, its length): the largest, to line up with the long prefills
+    for r in short:
+        if r.ok:
+            t = r.start - start + r.ttft
+            for x in r.itl:
+                t += x
+                if x * 1e3 > gap_ms:
+                    big.append((round(t, 4), round(x * 1e3, 2)))
+    row["big_gaps"] = sorted(big, key=lambda g: -g[1])[:100]
+    ok_long = [r for _, r in long_ if r.ok]
+    lt = np.asarray([r.ttft for r in ok_long]) * 1e3
+    row.update({
+        "long_sent": len(long_), "long_completed": len(ok_long),
+        "long_ttft_ms_p50": float(np.percentile(lt, 50)) if lt.size else float("nan"),
+        "long_ttft_ms_max": float(lt.max()) if lt.size else float("nan"),
+        "long": [{"sent_s": round(r.start - start, 4), "ttft_ms": round(r.ttft * 1e3, 2),
+                  "e2e_ms": round(r.e2e * 1e3, 2), "cached_tokens": r.cached_tokens,
+                  "ok": r.ok, "error": r.error} for _, r in long_],
+    })
+    errors = sorted({r.error for _, r in long_ if not r.ok} | set(row.get("errors", [])))
+    if errors:
+        row["errors"] = errors[:5]
+    return row
+
+
+async def run_long_mix_http(base_url: str, endpoint: str, items: list[MixItem],
+                            max_concurrency: int | None, progress: bool, timeout: float,
+                            label: str, gap_ms: float) -> dict[str, Any]:
+    import aiohttp
+
+    n_short = sum(not it.long for it in items)
+    sem = asyncio.Semaphore(max_concurrency or max(n_short, 1))
+    bar = Progress(len(items), label, enabled=progress)
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn,
+                                     timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        start = time.perf_counter()
+
+        async def one(it: MixItem) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + it.at - time.perf_counter()))
+            if it.long:  # the long requests ignore the concurrency limit
+                res = await send_request(session, base_url, endpoint, it.spec)
+            else:
+                async with sem:
+                    res = await send_request(session, base_url, endpoint, it.spec)
+            bar.update()
+            return res
+
+        results = await asyncio.gather(*(one(it) for it in items))
+        wall = time.perf_counter() - start
+    bar.close()
+    return summarize_long_mix(items, list(results), start, wall, gap_ms)
+
+
 def _post(url: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
     req = urllib.request.Request(url, data=json.dumps(body or {}).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -227,19 +337,24 @@ def parse_rates(values: list[str]) -> list[float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)  # unknown flags go to ServerArgs, whole
     add_engine_args(p)
+    p.add_argument("--workload", default="fixed", choices=["fixed", "long-mix"],
+                   help="fixed: --num-prompts requests per configuration; long-mix: short "
+                        "streams at --request-rate plus a long prompt every --long-interval s")
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
     p.add_argument("--launch", action="store_true",
                    help="start the server (random weights of --shape) on a free port, stop it")
     p.add_argument("--launch-timeout", type=float, default=900.0)
     p.add_argument("--endpoint", default="generate", choices=["generate", "completions"])
     p.add_argument("--request-rate", nargs="+", default=None,
-                   help="requests/s (Poisson), 'inf' for all at once; several allowed")
+                   help="requests/s (Poisson), 'inf' for all at once; several allowed "
+                        "(long-mix: of the short requests, default 4)")
     p.add_argument("--max-concurrency", nargs="+", type=int, default=None,
                    help="most requests in flight; several allowed")
     p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--input-len", type=int, default=None,
+                   help="prompt tokens (default 1024; long-mix: of the short requests, 256)")
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--range-ratio", type=float, default=1.0)
     p.add_argument("--prompt-kind", default="ids", choices=["ids", "text"])
@@ -251,11 +366,27 @@ def main() -> None:
     p.add_argument("--compare-engine", action="store_true",
                    help="run the same configurations through srt.Engine and compare")
     p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args()
+    g = p.add_argument_group("long-mix")
+    g.add_argument("--duration", type=float, default=60.0,
+                   help="seconds over which requests are sent")
+    g.add_argument("--long-input-len", type=int, default=8192)
+    g.add_argument("--long-output-len", type=int, default=32)
+    g.add_argument("--long-interval", type=float, default=3.0,
+                   help="seconds between long prompts")
+    g.add_argument("--gap-threshold-ms", type=float, default=150.0,
+                   help="inter-token gaps over this are counted")
+    a = parse_with_server_args(p)
 
+    long_mix = a.workload == "long-mix"
+    if a.input_len is None:
+        a.input_len = 256 if long_mix else 1024
+    if long_mix and a.compare_engine:
+        raise SystemExit("--compare-engine is for --workload fixed")
+    if long_mix and a.prompt_kind != "ids":
+        raise SystemExit("--workload long-mix sends token ids (--prompt-kind ids)")
     if a.max_token_id is None:
         a.max_token_id = min(10000, Shape.of(a.shape).vocab)
-    rates = parse_rates(a.request_rate or ["inf"])
+    rates = parse_rates(a.request_rate or ["4" if long_mix else "inf"])
     concs: list[int | None] = list(a.max_concurrency or [None])
     configs = [RunConfig(r, c) for r in rates for c in concs]
     # `timeout` stops a benchmark with SIGTERM: unwind, so that a launched server is stopped too.
@@ -263,35 +394,57 @@ def main() -> None:
     srv = None
     base_url = a.base_url
     model_dir = a.tokenizer
+    shape_config: dict[str, Any] = {}
+    if long_mix:  # room for the long prompt and its output
+        ctx = SHAPES[a.shape]["max_position_embeddings"]
+        if a.long_input_len + a.long_output_len > ctx:
+            shape_config["max_position_embeddings"] = max(
+                32768, a.long_input_len + a.long_output_len)
+    server_kwargs = {**engine_kwargs(a), **a.server_args}
     if a.launch:
         from benchmarks.launch import launch_server
         from srt.utils import free_port
 
-        model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix=f"srt-{a.shape}-"))
+        model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix=f"srt-{a.shape}-"),
+                                    **shape_config)
         log_path = os.path.join(os.path.dirname(os.path.abspath(a.out)) if a.out
                                 else tempfile.gettempdir(), f"server_{a.shape}.log")
         t = time.perf_counter()
-        srv = launch_server(model_dir, engine_kwargs(a), free_port(), log_path,
-                            a.launch_timeout)
+        srv = launch_server(model_dir, server_kwargs, free_port(), log_path, a.launch_timeout)
         print(f"server up in {time.perf_counter() - t:.1f} s at {srv.url} (log {log_path})",
               file=sys.stderr)
         base_url = srv.url
-    specs = make_requests(a, model_dir)
+    specs = make_requests(a, model_dir) if not long_mix else []
     rows: list[dict[str, Any]] = []
     try:
-        warm_up(base_url, a.endpoint, specs[0])
-        for cfg in configs:
-            flush(base_url)
-            row = asyncio.run(run_http(base_url, a.endpoint, specs, cfg, a.seed,
-                                       not a.no_progress, a.timeout))
-            rows.append({**asdict(cfg), "endpoint": a.endpoint, **row})
+        if long_mix:
+            rng = random.Random(a.seed + 1)  # warm-up prompts unlike the measured ones
+            warm_up(base_url, a.endpoint, RequestSpec(
+                [rng.randrange(2, a.max_token_id) for _ in range(a.input_len)], a.output_len))
+            warm_up(base_url, a.endpoint, RequestSpec(
+                [rng.randrange(2, a.max_token_id) for _ in range(a.long_input_len)],
+                a.long_output_len))
+            for cfg in configs:
+                flush(base_url)
+                items = make_long_mix(a, cfg.request_rate)
+                row = asyncio.run(run_long_mix_http(
+                    base_url, a.endpoint, items, cfg.max_concurrency, not a.no_progress,
+                    a.timeout, "long-mix " + cfg.label, a.gap_threshold_ms))
+                rows.append({**asdict(cfg), "endpoint": a.endpoint, **row})
+        else:
+            warm_up(base_url, a.endpoint, specs[0])
+            for cfg in configs:
+                flush(base_url)
+                row = asyncio.run(run_http(base_url, a.endpoint, specs, cfg, a.seed,
+                                           not a.no_progress, a.timeout))
+                rows.append({**asdict(cfg), "endpoint": a.endpoint, **row})
         server_info = json.loads(urllib.request.urlopen(base_url + "/get_server_info",
                                                         timeout=60).read())
     finally:
         if srv is not None:
             srv.stop()
     if a.compare_engine:
-        engine, _ = start_engine(a)
+        engine, _ = start_engine(a, **a.server_args)
         with engine:
             engine.generate(input_ids=[2, 3, 4, 5], sampling_params={"max_new_tokens": 8})
             for row, cfg in zip(rows, configs):
@@ -300,24 +453,36 @@ def main() -> None:
                 row["engine"] = eng
                 row["engine_out_tok_per_s"] = eng["out_tok_per_s"]
                 row["http_over_engine"] = row["out_tok_per_s"] / eng["out_tok_per_s"]
-    cols = ["request_rate", "max_concurrency", "completed", "failed", "wall_s", "req_per_s",
-            "out_tok_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
-            "tpot_ms_p50", "e2e_ms_p50", "e2e_ms_p99"]
+    if long_mix:
+        cols = ["request_rate", "max_concurrency", "completed", "failed", "wall_s",
+                "out_tok_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
+                "itl_ms_max", "gaps", f"gaps_over_{a.gap_threshold_ms:g}ms", "long_sent",
+                "long_completed", "long_ttft_ms_p50", "long_ttft_ms_max"]
+    else:
+        cols = ["request_rate", "max_concurrency", "completed", "failed", "wall_s", "req_per_s",
+                "out_tok_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
+                "tpot_ms_p50", "e2e_ms_p50", "e2e_ms_p99"]
     if a.compare_engine:
         cols += ["engine_out_tok_per_s", "http_over_engine"]
-    print_table(rows, cols)
     for r in rows:
         for e in r.get("errors", []):
             print(f"error ({r['request_rate']}, {r['max_concurrency']}): {e}", file=sys.stderr)
     write_json(a.out, {
-        "bench": "serving", "argv": sys.argv, "hardware": hardware(),
-        "shape": a.shape if a.launch else None, "endpoint": a.endpoint,
-        "num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len,
-        "range_ratio": a.range_ratio, "prompt_kind": a.prompt_kind,
+        "bench": "serving_long_mix" if long_mix else "serving", "argv": sys.argv,
+        "hardware": hardware(), "shape": a.shape if a.launch else None,
+        "endpoint": a.endpoint, "workload": a.workload,
+        "num_prompts": None if long_mix else a.num_prompts, "input_len": a.input_len,
+        "output_len": a.output_len, "range_ratio": a.range_ratio, "prompt_kind": a.prompt_kind,
+        **({"duration_s": a.duration, "long_input_len": a.long_input_len,
+            "long_output_len": a.long_output_len, "long_interval_s": a.long_interval,
+            "gap_threshold_ms": a.gap_threshold_ms, "shape_config": shape_config}
+           if long_mix else {}),
+        "server_args": a.server_args,
         "server": {k: server_info.get(k) for k in ("attention_backend", "device", "dtype",
                                                    "tp_size", "max_total_num_tokens")},
         "runs": rows,
     })
+    print_table(rows, cols)
 
 
 if __name__ == "__main__":

@@ -71,15 +71,16 @@ class Shape:
         return 4 * self.layers * self.heads * self.head_dim * ctx
 
 
-def write_shape_dir(name: str, path: str) -> str:
-    """config.json (bf16) and a word-level tokenizer for `name` under `path`; returns `path`."""
+def write_shape_dir(name: str, path: str, **config: Any) -> str:
+    """config.json (bf16) and a word-level tokenizer for `name` under `path`; returns `path`.
+    `config` overrides fields of the shape (e.g. max_position_embeddings=32768)."""
     from transformers import LlamaConfig
 
     from tests.random_models import save_word_tokenizer
 
     os.makedirs(path, exist_ok=True)
-    cfg = LlamaConfig(**SHAPES[name], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=1,
-                      pad_token_id=0, torch_dtype="bfloat16",
+    cfg = LlamaConfig(**{**SHAPES[name], **config}, rms_norm_eps=1e-5, bos_token_id=1,
+                      eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16",
                       architectures=["LlamaForCausalLM"])
     cfg.save_pretrained(path)
     save_word_tokenizer(path, cfg.vocab_size)
@@ -124,12 +125,36 @@ def engine_kwargs(a: Any) -> dict[str, Any]:
     return kw
 
 
-def start_engine(a: Any, **overrides: Any) -> tuple[Any, float]:
+def parse_with_server_args(p: Any, argv: list[str] | None = None) -> Any:
+    """`p.parse_known_args`, then the arguments `p` does not know parsed as srt.ServerArgs
+    flags (e.g. `--chunked-prefill-size 8192`, `--enable-mixed-chunk`): the ones given land in
+    `a.server_args` as ServerArgs fields, for `start_engine(a, **a.server_args)` or a launched
+    server. An argument that is no ServerArgs flag is an error naming it."""
+    import argparse
+
+    from srt.server_args import ServerArgs
+
+    a, rest = p.parse_known_args(argv)
+    sp = argparse.ArgumentParser(prog="srt.ServerArgs", add_help=False, allow_abbrev=False)
+    ServerArgs.add_cli_args(sp)
+    for act in sp._actions:  # only the flags given land in the namespace
+        act.default = argparse.SUPPRESS
+    ns, unknown = sp.parse_known_args(rest)
+    if unknown:
+        p.error(f"neither this benchmark's nor a srt.ServerArgs argument: {' '.join(unknown)}")
+    a.server_args = vars(ns)
+    return a
+
+
+def start_engine(a: Any, *, shape_config: dict[str, Any] | None = None,
+                 **overrides: Any) -> tuple[Any, float]:
     """An srt.Engine on the shape `a.shape` with random weights (`engine_kwargs(a)`, then
-    `overrides`), and its start-up seconds."""
+    `overrides`), and its start-up seconds. `shape_config` overrides fields of the shape's
+    config.json (`write_shape_dir`)."""
     import srt
 
-    model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix=f"srt-{a.shape}-"))
+    model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix=f"srt-{a.shape}-"),
+                                **(shape_config or {}))
     t0 = time.perf_counter()
     engine = srt.Engine(model_dir, **{**engine_kwargs(a), **overrides})
     return engine, time.perf_counter() - t0

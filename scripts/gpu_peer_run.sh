@@ -3,8 +3,14 @@
 # of ../shared/peer, whose three parts arrive one per call). Results as JSON and logs in $OUT.
 #   PART=1|2|3      copy that part of the vLLM bundle from .peer/$PART to /tmp/vllm-parts
 #   SRT="..."       srt stages, each "bench:shape": offline (W1), latency (B1), prefix (W2),
+#                   long (W3, T30, D30 at a 32k context: bench_long.py), serving-long (HTTP
+#                   short streams + an 8k prompt every 3 s: bench_serving.py --workload long-mix,
+#                   knobs in MIX_ARGS, default "--request-rate 8 --duration 60"),
 #                   tests (the gpu-marked tests in TESTS); e.g. SRT="offline:llama3-8b tests"
+#   SRT_ARGS="..."  extra flags of every srt stage (long and serving-long also take any
+#                   srt.ServerArgs flag, e.g. "--chunked-prefill-size 8192 --enable-mixed-chunk")
 #   VLLM="..."      shapes to run vLLM on (needs all three parts copied; installs once)
+#   VLLM_LONG="..." shapes to run vLLM's --long mode on (W3, T30, D30; same install)
 #   TAG=a           suffix of the result files (runs A and B of one sitting)
 # Wheels srt needs that the machine lacks travel in .whl (installed to /tmp/site).
 set -uo pipefail
@@ -43,17 +49,27 @@ for stage in ${SRT:-}; do
     prefix) run "srt_prefix_${shape}_$TAG" 240 python3 benchmarks/bench_prefix.py \
               --shape "$shape" --mode cache ${SRT_ARGS:-} \
               --out "$OUT/srt_prefix_${shape}_$TAG.json" ;;
+    long) run "srt_long_${shape}_$TAG" 480 python3 benchmarks/bench_long.py \
+            --shape "$shape" ${SRT_ARGS:-} --out "$OUT/srt_long_${shape}_$TAG.json" ;;
+    serving-long) run "srt_serving_long_${shape}_$TAG" 480 python3 benchmarks/bench_serving.py \
+                    --launch --shape "$shape" --workload long-mix --no-progress \
+                    ${MIX_ARGS:---request-rate 8 --duration 60} ${SRT_ARGS:-} \
+                    --out "$OUT/srt_serving_long_${shape}_$TAG.json" ;;
     tests) TAIL=25 run "gpu_tests_$TAG" ${TEST_TIMEOUT:-240} python3 -m pytest -q -rA -p no:cacheprovider \
              ${TESTS:-tests/gpu/test_overlap_gpu.py} ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
 
-if [ -n "${VLLM:-}" ]; then
+if [ -n "${VLLM:-}${VLLM_LONG:-}" ]; then
   source /tmp/vllm-parts/install_vllm.sh || { echo "!! vLLM install failed"; exit 1; }
-  for shape in $VLLM; do
+  for shape in ${VLLM:-}; do
     run "vllm_${shape}_$TAG" 300 env $VLLM_ENV python3 /tmp/vllm-parts/vllm_bench.py "$shape" \
       --out "$OUT/vllm_${shape}_$TAG.json"
+  done
+  for shape in ${VLLM_LONG:-}; do
+    run "vllm_long_${shape}_$TAG" 480 env $VLLM_ENV python3 /tmp/vllm-parts/vllm_bench.py \
+      "$shape" --long --out "$OUT/vllm_long_${shape}_$TAG.json"
   done
 fi
 ls "$OUT"

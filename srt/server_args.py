@@ -55,6 +55,14 @@ class ServerArgs:
                                           "req_to_token). Default: min(512, pool size).")
     max_prefill_tokens: int = _f(8192, "Most new tokens in one fill batch (a single longer "
                                  "prompt still runs alone).")
+    chunked_prefill_size: int = _f(
+        8192, "Most new tokens one fill computes: a longer prompt is computed in chunks over "
+        "several fills (its KV kept between them), so running requests keep decoding between "
+        "(or, with --enable-mixed-chunk, inside) those fills. -1 turns chunking off.")
+    enable_mixed_chunk: bool = _f(
+        False, "Run the running requests' next decode tokens inside each fill step (one forward "
+        "carries a prefill chunk and a token of every running request). Off: a decode step "
+        "runs between two chunks of a prompt.")
     schedule_heuristic: str = _f("lpm", "Order of the waiting queue.", _HEURISTICS)
     schedule_conservativeness: float = _f(
         1.0, "Scales the share of running requests' remaining tokens reserved at admission; "
@@ -168,6 +176,8 @@ class ServerArgs:
             raise ValueError("--max-running-requests must be >= 1")
         if self.cuda_graph_max_bs < 1:
             raise ValueError("--cuda-graph-max-bs must be >= 1")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError("--chunked-prefill-size must be >= 1, or -1 (no chunking)")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
         if self.jump_forward_min_tokens < 1:

@@ -210,6 +210,9 @@ class StepOutput:
     token_out: BatchTokenIdOut | None
     controls: list[Any] = field(default_factory=list)  # FlushCacheOut | StatsOut
     has_work: bool = False  # requests still running or waiting: the router keeps stepping
+    # More of this round follows: the outputs of one decode step sent on at once (streaming);
+    # the round's last StepOutput has partial False and carries controls and has_work.
+    partial: bool = False
 
 
 # ---------------------------------------------------------------- text (detok -> HTTP)

@@ -43,6 +43,9 @@ class StepPlan:
     input_ids: list[int] | None = None  # None: the rows' last sampled ids, on the device
     sample_rows: list[int] | None = None
     images: list[ImageSpanInput] | None = None
+    # A fill step: its first n_fill requests are filled (the rest are running requests that
+    # decode inside it: a mixed step). None: every request (or not a fill).
+    n_fill: int | None = None
 
     @property
     def req_rows(self) -> np.ndarray:
@@ -106,28 +109,47 @@ class Batch:
 
     # ------------------------------------------------------------------ steps
 
-    def prepare_fill(self, slots: torch.Tensor) -> StepPlan:
+    def prepare_fill(self, slots: torch.Tensor, running: "Batch | None" = None) -> StepPlan:
         """The EXTEND (or PREFILL) step of a fill batch whose rows were just assigned: each
-        request computes its fill ids after its cached prefix into its share of `slots`."""
-        prefix = [len(r.prefix_indices) for r in self.reqs]
-        ext = [r.extend_input_len for r in self.reqs]
+        request computes extend_input_len fill ids after its cached prefix into its share of
+        `slots` (all of its prompt, or the next chunk of it).
+
+        `running`: a mixed step. The running batch's requests follow the fill's in the same
+        step, each computing its step_input_len ids (one, unless it jumped) from kv_computed
+        on as an extend row of its own, into the rest of `slots`; their kv_lens grow to their
+        whole length. Their ids must be on the host (no step in flight)."""
+        members = self.reqs + (running.reqs if running is not None else [])
+        prefix: list[int] = []
+        ext: list[int] = []
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         images: list[ImageSpanInput] = []
         offset = 0
-        for r, pre, e in zip(self.reqs, prefix, ext):
-            input_ids.extend(r.fill_ids[pre:])
+        for i, r in enumerate(members):
+            if i < len(self.reqs):
+                pre, e = len(r.prefix_indices), r.extend_input_len
+            else:
+                pre, e = r.kv_computed, r.step_input_len
+                r.kv_valid = None
+            prefix.append(pre)
+            ext.append(e)
+            input_ids.extend(r.fill_ids[pre : pre + e])
             positions.append(np.arange(pre, pre + e, dtype=np.int64))
             span = r.image.step_span(pre, e, offset) if r.image is not None else None
             if span is not None:
                 images.append(span)
             offset += e
-        self.rows = np.array([r.req_pool_idx for r in self.reqs], dtype=np.int64)
         seq = np.array(prefix, dtype=np.int64) + np.array(ext, dtype=np.int64)
-        self.kv_lens = seq.copy()
+        n = len(self.reqs)
+        self.rows = np.array([r.req_pool_idx for r in self.reqs], dtype=np.int64)
+        self.kv_lens = seq[:n].copy()
+        if running is not None:
+            running.kv_lens[:] = seq[n:]
+        rows = np.array([r.req_pool_idx for r in members], dtype=np.int64)
         mode = ForwardMode.EXTEND if any(prefix) else ForwardMode.PREFILL
-        return StepPlan(mode, list(self.reqs), np.concatenate(positions), self.rows.copy(), seq,
-                        prefix, ext, slots, input_ids=input_ids, images=images or None)
+        return StepPlan(mode, members, np.concatenate(positions), rows, seq, prefix, ext,
+                        slots, input_ids=input_ids, images=images or None,
+                        n_fill=n if running is not None else None)
 
     def prepare_decode(self, slots: torch.Tensor, launch: np.ndarray | None = None) -> StepPlan:
         """The DECODE step of the requests where `launch` holds (all by default): one token

@@ -42,18 +42,33 @@ class KVManager:
 
     def assign_rows(self, reqs: list[Req], slots: torch.Tensor) -> None:
         """Give each request of a fill batch a row holding its cached prefix and then its share
-        of `slots` (extend_input_len each, in order)."""
+        of `slots` (extend_input_len each, in order). A request between prefill chunks keeps
+        its row (which holds its prefix already) and gets only the new slots."""
         spans: list[tuple[int, int, torch.Tensor]] = []
         offset = 0
         for r in reqs:
-            row = self.req_pool.alloc()
-            if row is None:
-                raise RuntimeError("req_to_token rows exhausted despite admission")
-            r.req_pool_idx = row
             pre, ext = len(r.prefix_indices), r.extend_input_len
-            spans.append((row, 0, r.prefix_indices))
-            spans.append((row, pre, slots[offset : offset + ext]))
+            if r.req_pool_idx is None:
+                row = self.req_pool.alloc()
+                if row is None:
+                    raise RuntimeError("req_to_token rows exhausted despite admission")
+                r.req_pool_idx = row
+                spans.append((row, 0, r.prefix_indices))
+            spans.append((r.req_pool_idx, pre, slots[offset : offset + ext]))
             offset += ext
+        self.req_pool.write_spans(spans)
+
+    def extend_rows(self, reqs: list[Req], starts: list[int], slots: torch.Tensor) -> None:
+        """Write `slots` into running requests' rows: request i gets the next share from column
+        starts[i] on, as many as it computes (`step_input_len`). For a decode row inside a fill
+        step (a mixed step), whose slot the executor does not write."""
+        spans: list[tuple[int, int, torch.Tensor]] = []
+        offset = 0
+        for r, start in zip(reqs, starts):
+            n = r.step_input_len
+            assert r.req_pool_idx is not None
+            spans.append((r.req_pool_idx, start, slots[offset : offset + n]))
+            offset += n
         self.req_pool.write_spans(spans)
 
     def row_slots(self, req: Req, start: int, end: int) -> torch.Tensor:
@@ -64,15 +79,29 @@ class KVManager:
     def cache_filled(self, req: Req) -> None:
         """After an extend: give the request's KV to the tree and lock the new path, so that
         other requests can share it while this one still runs."""
+        req.kv_valid = None
         if self.tree.disable:
+            req.prefix_indices = torch.empty(0, dtype=torch.int64)
             return
-        n = len(req.fill_ids)
+        self._insert_and_lock(req, len(req.fill_ids))
+
+    def cache_chunk(self, req: Req, n: int) -> None:
+        """After a chunk of a chunked prefill computed the request's first n positions: they
+        go to the tree (locked, as for `cache_filled`) and `prefix_indices` covers them all,
+        so the next chunk starts at n. Radix cache off: the row keeps them, as its own."""
+        req.kv_valid = n
+        if self.tree.disable:
+            req.prefix_indices = self.row_slots(req, 0, n)
+            return
+        self._insert_and_lock(req, n)
+
+    def _insert_and_lock(self, req: Req, n: int) -> None:
         slots = self.row_slots(req, 0, n)
         old = len(req.prefix_indices)
-        present = self.tree.insert(req.fill_ids, slots)
+        present = self.tree.insert(req.fill_ids[:n], slots)
         if present > old:  # someone inserted the same tokens meanwhile: use theirs, free ours
             self.pool.free(slots[old:present])
-        new_prefix, new_node = self.tree.match_prefix(req.fill_ids)
+        new_prefix, new_node = self.tree.match_prefix(req.fill_ids[:n])
         assert req.req_pool_idx is not None and req.last_node is not None
         self.req_pool.write_spans([(req.req_pool_idx, old, new_prefix[old:])])
         self.tree.inc_lock_ref(new_node)
@@ -85,7 +114,7 @@ class KVManager:
         if req.req_pool_idx is None:
             return
         # Every token has KV except the last sampled one (a prefill-only request has none), or
-        # after a jump inside the batch, the ids before kv_valid.
+        # after a jump inside the batch or between prefill chunks, the ids before kv_valid.
         if req.kv_valid is not None:
             n = req.kv_valid
         else:

@@ -12,7 +12,9 @@ the host once.
 Prompt logprobs (contract of `logprob_start_len = s`): entries for prompt tokens s .. L-1; the
 entry of token p needs the logits at position p - 1, so the scheduler computes the prompt from
 position max(s - 1, 0) on (the radix-cache match is cut there). Token 0 has no logprob (None).
-They are computed once, at the request's first fill.
+They are computed once, at the request's first fill; a chunked prompt gets, at each chunk, the
+entries whose logits that chunk computes (tokens pre + 1 .. pre + ext of a chunk computing
+positions pre .. pre + ext - 1), which the model process appends in order.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from srt.model_process.req import Req
 @dataclass
 class _PromptSpan:
     batch_index: int
-    start: int  # logprob_start_len: the prompt position of the first entry
+    lead_none: bool  # the entry of token 0 (no logprob) comes first
+    first_pos: int  # the prompt position of the first computed entry
     first_row: int  # its first row among the step's prompt rows
     n_rows: int
     top_k: int
@@ -62,13 +65,17 @@ class StepLogprobs:
                     s = r.logprob.logprob_start_len
                     prompt = r.origin_input_ids
                     first = max(s, 1)  # token 0 has no logprob
-                    if first - 1 < pre:
+                    # The first chunk (or the whole prompt) must compute position first - 1;
+                    # a later chunk starts after entries an earlier one computed.
+                    if first - 1 < pre and r.input_logprobs is None:
                         raise RuntimeError(f"prompt position {first - 1} of {r.rid} is cached "
                                            "but its logprobs were asked for")
-                    self.spans.append(_PromptSpan(i, s, len(rows), len(prompt) - first,
+                    lo, hi = max(first, pre + 1), min(len(prompt), pre + ext + 1)
+                    n = max(0, hi - lo)
+                    self.spans.append(_PromptSpan(i, s == 0 and pre == 0, lo, len(rows), n,
                                                   r.logprob.top_logprobs_num))
-                    rows.extend(offset + p - 1 - pre for p in range(first, len(prompt)))
-                    next_ids.extend(prompt[first:])
+                    rows.extend(offset + p - 1 - pre for p in range(lo, lo + n))
+                    next_ids.extend(prompt[lo : lo + n])
                 offset += ext
         self.out_rows = [i for i, r in enumerate(batch) if r.logprob is not None]
         self.prompt_k = max((sp.top_k for sp in self.spans), default=0)
@@ -80,7 +87,7 @@ class StepLogprobs:
         self.buffer = torch.empty(self.bs + n_prompt + n_out, dtype=torch.float64, device=device)
         self._prompt_view, self._out_view = self._split(self.buffer)
         self.prompt_request: PromptLogprobRequest | None = None
-        if self.spans:
+        if rows:
             self.prompt_request = PromptLogprobRequest(
                 rows=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
                 next_ids=torch.tensor(next_ids, dtype=torch.int64).to(device, non_blocking=True),
@@ -119,15 +126,14 @@ class StepLogprobs:
         for sp in self.spans:
             prompt = self.reqs[sp.batch_index].origin_input_ids
             lp = TokenLogprobs()
-            if sp.start == 0:
+            if sp.lead_none:
                 lp.logprobs.append(None)
                 lp.token_ids.append(prompt[0])
                 lp.top_logprobs.append(None)
                 lp.top_ids.append(None)
-            first = max(sp.start, 1)
             for j in range(sp.n_rows):
-                _append_row(lp, prompt[first + j], prompt_rows[sp.first_row + j], self.prompt_k,
-                            sp.top_k)
+                _append_row(lp, prompt[sp.first_pos + j], prompt_rows[sp.first_row + j],
+                            self.prompt_k, sp.top_k)
             inputs[sp.batch_index] = lp
         outputs: list[TokenLogprobs | None] = [None] * self.bs
         for j, i in enumerate(self.out_rows):

@@ -2,7 +2,15 @@
 
 Each StepInput from the router adds requests and aborts; then one round runs either a fill
 batch (EXTEND/PREFILL) or a few DECODE steps of the running batch. Rank 0 answers with a
-StepOutput; every rank sees the same inputs, so every rank makes the same decisions.
+StepOutput; every rank sees the same inputs, so every rank makes the same decisions. Within a
+round of several decode steps, rank 0 hands each step's outputs on at once (`emit`: a partial
+StepOutput), so a streamed token reaches the client when it is read, not at the round's end.
+
+Chunked prefill (`--chunked-prefill-size`): a fill computes at most that many new tokens; a longer
+prompt is computed over several fills and waits between them (PREFILLING, its KV kept). With
+`--enable-mixed-chunk` every fill step also carries the next token of every running request
+(a mixed step); without it, a decode step of the running batch runs between two chunks. Either
+way a long prompt never stops the running requests for longer than one chunk.
 
 Overlap (on by default, `--disable-overlap-schedule` turns it off): a launched decode step is
 left in flight. The next one is launched from its sampled ids on the device (`Batch`,
@@ -18,7 +26,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -63,6 +71,9 @@ class ModelProcess:
         self.batch = Batch()  # the running requests
         self.inflight: InFlight | None = None  # the last launched decode step, not yet read
         self.overlap = not args.disable_overlap_schedule
+        self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
+        self.mixed = args.enable_mixed_chunk
+        self._decode_turn = False  # without mixing: decode once before the next prefill chunk
         self.ratio = TokenRatio.from_conservativeness(args.schedule_conservativeness)
         self.rng = random.Random(args.random_seed)
         self.arrivals = 0
@@ -95,7 +106,10 @@ class ModelProcess:
 
     # ------------------------------------------------------------------ one round
 
-    def step(self, inp: StepInput) -> StepOutput:
+    def step(self, inp: StepInput,
+             emit: Callable[[BatchTokenIdOut], None] | None = None) -> StepOutput:
+        """One round. `emit` (rank 0 of a server): called with the outputs of each decode step
+        but the last of the round, which go into the returned StepOutput with the rest."""
         outs: list[TokenOut] = []
         if self.inflight is not None and (inp.aborts or inp.controls):
             self._resolve(outs)  # aborts and controls see every request's host state
@@ -107,12 +121,21 @@ class ModelProcess:
         for r in self.constraints.resolve(self.waiting):
             self.waiting.remove(r)
             outs.append(self.output.token_out(r))
-        fill = select_fill(self.waiting, self.running, self.kv, self.args, self.rng,
-                           self.ratio.value, prefix_limit) if self.waiting else []
+        fill = []
+        if self.waiting and not self._decode_turn:
+            fill = select_fill(self.waiting, self.running, self.kv, self.args, self.rng,
+                               self.ratio.value, prefix_limit, self.chunk_size)
+        self._decode_turn = False
         if fill:
             self._fill(fill, outs)
+            # Without mixing, the running requests take a step before the next chunk.
+            self._decode_turn = (not self.mixed and bool(self.batch)
+                                 and any(r.prefilling for r in self.waiting))
         elif self.batch:
-            for _ in range(1 if self.waiting else DECODE_STEPS_PER_ROUND):
+            for i in range(1 if self.waiting else DECODE_STEPS_PER_ROUND):
+                if i and emit is not None and outs:
+                    emit(BatchTokenIdOut(list(outs)))
+                    outs.clear()
                 if not self.batch or self._decode_step(outs):
                     break  # done, or a request jumped forward: extend it in the next round
         elif self.waiting and all(r.fsm_pending for r in self.waiting):
@@ -135,9 +158,9 @@ class ModelProcess:
             if req.rid == a.rid:
                 if req.status == ReqStatus.RUNNING:
                     self.batch.remove([req])
-                    self.kv.cache_finished(req)
                 else:
                     self.waiting.remove(req)
+                self.kv.cache_finished(req)  # (nothing to give back if it holds no row)
                 req.end(FinishReason.abort(a.message))
                 outs.append(self.output.token_out(req))
                 return
@@ -153,23 +176,37 @@ class ModelProcess:
 
     def _fill(self, reqs: list[Req], outs: list[TokenOut]) -> None:
         """Launch the fill batch, read the decode step in flight meanwhile, then the fill's
-        results; the fill's running requests join the batch."""
+        results; the fill's running requests join the batch, a chunked one waits for its next
+        chunk. A mixed step (--enable-mixed-chunk) first reads the step in flight (the running
+        requests' ids go in from the host) and computes a token of every running request too."""
         self.counters.timer.fill_begin()
         fill = Batch(reqs)
-        slots = self.kv.alloc_slots(sum(r.extend_input_len for r in reqs))
-        self.kv.assign_rows(reqs, slots)
+        n_fill = sum(r.extend_input_len for r in reqs)
+        mix = False
+        if self.mixed and self.batch:
+            self._resolve(outs)
+            mix = bool(self.batch) and self.kv.room() >= n_fill + self.batch.mixed_rows()
+        n_run = self.batch.mixed_rows() if mix else 0
+        slots = self.kv.alloc_slots(n_fill + n_run)
+        self.kv.assign_rows(reqs, slots[:n_fill])
+        if mix:
+            self.kv.extend_rows(self.batch.reqs, [r.kv_computed for r in self.batch.reqs],
+                                slots[n_fill:])
+            self.counters.mixed_fills += 1
         for r in reqs:
             r.status = ReqStatus.RUNNING
             if r.cached_tokens < 0:
                 r.cached_tokens = len(r.prefix_indices)
                 self.counters.prompt_tokens += len(r.origin_input_ids)
                 self.counters.cached_tokens += r.cached_tokens
-        plan = fill.prepare_fill(slots)
+        plan = fill.prepare_fill(slots, self.batch if mix else None)
         launched = self.executor.launch(plan)
         if self.inflight is not None:
             self._resolve(outs)
         self._apply(launched, outs)
         fill.filter(lambda r: r.status == ReqStatus.RUNNING)
+        if mix:
+            self.batch.filter(lambda r: r.status == ReqStatus.RUNNING)
         self.batch.merge(fill)
         self.counters.timer.fill_end(len(reqs), len(plan.positions))
         self.executor.break_chain()
@@ -244,18 +281,34 @@ class ModelProcess:
     def _apply(self, step: InFlight, outs: list[TokenOut], then: InFlight | None = None) -> None:
         res = step.wait()
         self.counters.timer.mark("wait")
-        fill = step.plan.mode.is_extend()
+        plan = step.plan
+        n_fill = (plan.n_fill if plan.n_fill is not None else len(plan.reqs)) \
+            if plan.mode.is_extend() else 0
         live: list[Req] = []
-        for r, tok, prompt_lp, out_lp in zip(step.plan.reqs, res.ids, res.prompt_logprobs,
-                                             res.output_logprobs):
+        chunked: list[Req] = []
+        for i, (r, tok, prompt_lp, out_lp) in enumerate(zip(
+                plan.reqs, res.ids, res.prompt_logprobs, res.output_logprobs)):
             r.in_flight -= 1
             if r.finished:  # finished after this step was launched: its slot was freed then
                 continue
-            live.append(r)
-            if fill:
+            if i < n_fill:
+                if prompt_lp is not None:
+                    if r.input_logprobs is None:
+                        r.input_logprobs = prompt_lp
+                    else:  # the entries of the prompt's next chunk
+                        r.input_logprobs.extend(prompt_lp)
+                end = plan.prefix_lens[i] + plan.extend_lens[i]
+                if end < len(r.fill_ids):  # a chunk: its prompt goes on in a later fill
+                    self.kv.cache_chunk(r, end)
+                    self.counters.prefill_chunks += 1
+                    r.status = ReqStatus.PREFILLING
+                    chunked.append(r)
+                    continue  # its sampled token is not one of its outputs
                 self.kv.cache_filled(r)
                 if prompt_lp is not None:
-                    r.input_logprobs, r.prompt_logprobs_done = prompt_lp, True
+                    r.prompt_logprobs_done = True
+            live.append(r)
+            if i < n_fill:
                 if r.sampling_params.max_new_tokens == 0 and not r.output_ids:
                     r.end(FinishReason.of_length(0))
                     continue
@@ -266,8 +319,22 @@ class ModelProcess:
                 self.kv.pool.free(then.plan.out_cache_loc[gone])
                 for i in gone:
                     then.plan.reqs[i].forward_passes -= 1
+        self.waiting[:0] = chunked
         for r in live:
             self._settle(r, outs)
+
+    def release_chunked(self) -> bool:
+        """Let the request between prefill chunks give up its row and lock (its computed KV
+        goes to the tree, evictable): the last resort when decoding needs its room. Its prompt
+        logprobs so far are dropped (recomputed with the prompt). False if there is none."""
+        for r in self.waiting:
+            if r.prefilling:
+                self.kv.cache_finished(r)
+                r.status = ReqStatus.WAITING
+                if not r.prompt_logprobs_done:
+                    r.input_logprobs = None
+                return True
+        return False
 
     def _settle(self, r: Req, outs: list[TokenOut]) -> None:
         """Jump forward where a pattern forces text, finish what finished, emit outputs."""

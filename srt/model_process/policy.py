@@ -9,6 +9,12 @@ and admits requests in queue order while `extend_len + max_new_tokens` fits `ava
 batch's new tokens fit the prefill budget. The running requests' reservation is scaled by a ratio
 (most requests stop before max_new_tokens); if decoding then runs out of slots the model process
 retracts requests and raises the ratio.
+
+Chunked prefill (`--chunked-prefill-size`): a fill computes at most that many new tokens. The
+request that crosses the limit is admitted whole (its whole remaining prompt and max_new_tokens
+must fit `available`, so it can always be finished) but computes only the tokens up to the
+limit; it then waits, PREFILLING, with its computed KV locked, and the next fill continues it
+first. At most one request is between chunks at a time.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class Admission:
     available: int
     max_prefill_tokens: int
     free_rows: int
+    chunk_size: int | None = None  # most new tokens of the fill; None: prompts are not chunked
     batch_new_tokens: int = 0
     admitted: int = 0
 
@@ -79,33 +86,55 @@ class Admission:
         new_token_ratio: float,
         max_prefill_tokens: int,
         free_rows: int,
+        chunk_size: int | None = None,
     ) -> "Admission":
         reserved = sum(running_remaining) * new_token_ratio
-        return cls(int(free + evictable - reserved), max_prefill_tokens, free_rows)
+        return cls(int(free + evictable - reserved), max_prefill_tokens, free_rows, chunk_size)
 
-    def _fits(self, extend_len: int, max_new: int) -> bool:
-        if self.free_rows <= self.admitted:
-            return False
+    def _computed(self, extend_len: int, max_new: int, held_row: bool) -> int | None:
+        """How many of the request's extend_len tokens this fill would compute (None: it is
+        not admitted)."""
+        if not held_row and self.free_rows <= 0:
+            return None
         if extend_len + max_new > self.available:
-            return False
+            return None
+        if self.chunk_size is not None:
+            left = self.chunk_size - self.batch_new_tokens
+            return min(extend_len, left) if left > 0 else None
         # A prompt longer than the budget still runs, alone.
-        return self.admitted == 0 or self.batch_new_tokens + extend_len <= self.max_prefill_tokens
+        if self.admitted == 0 or self.batch_new_tokens + extend_len <= self.max_prefill_tokens:
+            return extend_len
+        return None
+
+    def admit(self, extend_len: int, max_new: int, lock: Callable[[], int],
+              unlock: Callable[[], int], held_row: bool = False) -> int | None:
+        """Admit one request if it fits; return how many of its extend_len tokens this fill
+        computes (less than extend_len when its prompt is chunked; None: not admitted).
+
+        `lock()` locks its matched prefix and returns the change of evictable tokens (<= 0); if
+        the lock made it no longer fit, `unlock()` undoes it. The whole request is reserved
+        (extend_len + max_new), also when only a chunk is computed now. `held_row`: the
+        request already holds its req_to_token row (the next chunk of a chunked prefill)."""
+        if self._computed(extend_len, max_new, held_row) is None:
+            return None
+        self.available += lock()
+        n = self._computed(extend_len, max_new, held_row)
+        if n is None:
+            self.available += unlock()
+            return None
+        self.available -= extend_len + max_new
+        self.batch_new_tokens += n
+        self.admitted += 1
+        if not held_row:
+            self.free_rows -= 1
+        return n
 
     def try_admit(
         self, extend_len: int, max_new: int, lock: Callable[[], int], unlock: Callable[[], int]
     ) -> bool:
-        """Admit one request if it fits. `lock()` locks its matched prefix and returns the change
-        of evictable tokens (<= 0); if the lock made it no longer fit, `unlock()` undoes it."""
-        if not self._fits(extend_len, max_new):
-            return False
-        self.available += lock()
-        if not self._fits(extend_len, max_new):
-            self.available += unlock()
-            return False
-        self.available -= extend_len + max_new
-        self.batch_new_tokens += extend_len
-        self.admitted += 1
-        return True
+        """Admit one request whole if it fits (see `admit`)."""
+        n = self.admit(extend_len, max_new, lock, unlock)
+        return n is not None and n == extend_len
 
 
 # A request waits a round for another of its fill batch only when they share at least this
@@ -180,23 +209,31 @@ def retraction_victim(running: list[Any]) -> Any:
 
 
 def select_fill(waiting: list[Any], running: list[Any], kv: Any, args: Any, rng: random.Random,
-                ratio: float, prefix_limit: Callable[[Any], int]) -> list[Any]:
+                ratio: float, prefix_limit: Callable[[Any], int],
+                chunk_size: int | None = None) -> list[Any]:
     """The waiting requests of the next fill batch, in order (their prefixes matched and
-    locked, `extend_input_len` set); they are removed from `waiting`.
+    locked, `extend_input_len` set to what this fill computes); they are removed from `waiting`.
 
     `prefix_limit(r)`: how many leading tokens may come from the tree (at least one token is
-    computed, and every prompt position whose logprobs are asked for)."""
+    computed, and every prompt position whose logprobs are asked for). `chunk_size`: the most
+    new tokens of the fill (None: no chunking). A PREFILLING request (between chunks) goes first
+    and continues from the KV it holds; it is not matched again."""
     if not waiting:
         return []
     tree = kv.tree
     for r in waiting:
+        if r.prefilling:
+            continue
         r.prefix_indices, r.last_node = tree.match_prefix(r.fill_ids[: prefix_limit(r)])
         if r.image is not None:
             keep = r.image.safe_prefix_len(len(r.prefix_indices))
             if keep < len(r.prefix_indices):
                 r.prefix_indices, r.last_node = tree.match_prefix(r.fill_ids[:keep])
+    for r in waiting:
         r.extend_input_len = len(r.fill_ids) - len(r.prefix_indices)
-    queue = order_queue(waiting, args.schedule_heuristic, rng, tree.root)
+    chunked = [r for r in waiting if r.prefilling]
+    queue = chunked + order_queue([r for r in waiting if not r.prefilling],
+                                  args.schedule_heuristic, rng, tree.root)
     adm = Admission.start(
         free=kv.pool.available_size(),
         evictable=tree.evictable_size(),
@@ -204,24 +241,32 @@ def select_fill(waiting: list[Any], running: list[Any], kv: Any, args: Any, rng:
         new_token_ratio=ratio,
         max_prefill_tokens=args.max_prefill_tokens,
         free_rows=kv.req_pool.available_size(),
+        chunk_size=chunk_size,
     )
     batch: list[Any] = []
-    groups: set[str] = set()
+    # Samples of a prompt that another sample is computing (this round, or chunk by chunk)
+    # wait and then reuse its KV.
+    groups: set[str] = {r.group for r in chunked if r.group is not None}
     shared = InRoundPrefixes()
     for r in queue:
         if r.fsm_pending:
             continue  # its FSM is still compiling
-        if r.group is not None and r.group in groups:
-            # A sibling sample is computing this prompt now: wait one round and reuse its KV.
+        if r.group is not None and r.group in groups and not r.prefilling:
             continue
         sharing = not tree.disable and not r.wants_prompt_logprobs
         if sharing and shared.should_wait(r):
             continue  # another request of this batch computes its prompt's next tokens
         node = r.last_node
-        if not adm.try_admit(r.extend_input_len, r.remaining_new_tokens,
-                             lock=lambda n=node: tree.inc_lock_ref(n),
-                             unlock=lambda n=node: tree.dec_lock_ref(n)):
+        if r.prefilling:  # its prefix is locked since its last chunk
+            n = adm.admit(r.extend_input_len, r.remaining_new_tokens, lambda: 0, lambda: 0,
+                          held_row=True)
+        else:
+            n = adm.admit(r.extend_input_len, r.remaining_new_tokens,
+                          lock=lambda n=node: tree.inc_lock_ref(n),
+                          unlock=lambda n=node: tree.dec_lock_ref(n))
+        if n is None:
             break
+        r.extend_input_len = n
         batch.append(r)
         if sharing:
             shared.add(r)

@@ -18,6 +18,7 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> 
 
     from srt.faults import fault_point
     from srt.managers.comm import PullSocket, PushSocket
+    from srt.managers.io_struct import StepOutput
     from srt.utils import run_loop, start_child
     from srt.watchdog import IDLE_POLL_MS
 
@@ -58,6 +59,10 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> 
     fault = fault_point(args.fault, f"model{tp_rank}")
     heartbeat = link.heartbeat
 
+    def emit(token_out: Any) -> None:  # a decode step's outputs, before the round ends
+        if outbox is not None:
+            outbox.send(StepOutput(token_out, partial=True))
+
     def loop() -> None:
         while True:
             inp = inbox.recv(IDLE_POLL_MS)
@@ -69,7 +74,7 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> 
             work = bool(inp.reqs or server.running or server.waiting)
             if work:
                 fault.tick()
-            out = server.step(inp)
+            out = server.step(inp, emit)
             if work:
                 server.heap.busy()
             if outbox is not None:

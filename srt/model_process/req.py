@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 class ReqStatus(enum.Enum):
     WAITING = enum.auto()  # in the waiting queue (new, retracted, or jumped out of the batch)
     RUNNING = enum.auto()  # in the running batch: holds a req_to_token row
+    # Between two chunks of its prompt (chunked prefill): in the waiting queue, holding its
+    # row, the KV of its first `kv_valid` positions and (radix cache on) the tree's lock on them.
+    PREFILLING = enum.auto()
     FINISHED = enum.auto()  # done; its last output is (being) sent
 
 
@@ -59,7 +62,7 @@ class FinishReason:
 class Req:
     """One request (one sample) inside a model process.
 
-    KV state: while running, `req_pool_idx` is its row of req_to_token and the first `kv_len`
+    KV state: while running (or between the chunks of a chunked prefill), `req_pool_idx` is its row of req_to_token and the first `kv_len`
     columns hold its slots. The first `len(prefix_indices)` of those belong to the radix tree and
     are locked through `last_node`; the rest are the request's own until it is cached or freed.
 
@@ -68,6 +71,11 @@ class Req:
     is freed and `kv_valid` says how many leading positions still hold KV; the next step computes
     the rest (`step_input_len` tokens instead of one). A request out of the running set holds no
     row and no `kv_valid`.
+
+    Chunked prefill: a prompt longer than the fill budget is computed over several fills. Between
+    them the request is PREFILLING: it waits in the queue with its row, `kv_valid` is the number
+    of positions computed so far and (radix cache on) those positions are in the tree, locked
+    through `last_node`, so `prefix_indices` covers them all; the next fill continues from there.
 
     Logprobs (when `logprob` is set): the prompt's are computed at the first fill only and wait in
     `input_logprobs` until sent; `output_logprobs` has one entry per output id (kept across
@@ -103,7 +111,8 @@ class Req:
     # pad ids; kept until the request finishes (a retracted request may need it again).
     image: ReqImage | None = None
     forward_passes: int = 0  # model forwards (fills and decode steps) this request took part in
-    kv_valid: int | None = None  # set by a jump while running: positions whose KV is still valid
+    # Set by a jump while running, and between prefill chunks: positions whose KV is valid.
+    kv_valid: int | None = None
     # Launched steps whose tokens are not on the host yet (the overlapped loop): each one
     # writes the KV of one more position, and output_ids lack its token.
     in_flight: int = 0  # launched steps not resolved yet (2 for a moment while chaining)
@@ -144,6 +153,11 @@ class Req:
     def end(self, reason: FinishReason) -> None:
         self.finish = reason
         self.status = ReqStatus.FINISHED
+
+    @property
+    def prefilling(self) -> bool:
+        """Between two chunks of its prompt (see the class docstring)."""
+        return self.status == ReqStatus.PREFILLING
 
     @property
     def wants_prompt_logprobs(self) -> bool:

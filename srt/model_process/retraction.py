@@ -26,6 +26,9 @@ def make_room(p: ModelProcess) -> None:
         p.retract(retraction_victim(p.running))
         retracted += 1
         p.kv.tree.evict(max(0, need() - p.kv.pool.available_size()))
+    # Last resort: the request between prefill chunks gives its KV back to the tree.
+    while p.kv.pool.available_size() < need() and p.release_chunked():
+        p.kv.tree.evict(max(0, need() - p.kv.pool.available_size()))
     if p.kv.pool.available_size() < need():
         raise RuntimeError("a single request does not fit the KV pool (admission is broken)")
     if retracted:

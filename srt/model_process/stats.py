@@ -21,6 +21,8 @@ class Counters:
     cached_tokens: int = 0
     retracted: int = 0
     mixed_steps: int = 0  # steps of the running batch after jumps inside it
+    mixed_fills: int = 0  # fill steps that carried the running requests' decode tokens too
+    prefill_chunks: int = 0  # fills that computed a chunk of a longer prompt
     overlapped_steps: int = 0  # decode steps launched before the previous one was read
     timer: StepTimer = field(default_factory=StepTimer)
     last_log: float = field(default_factory=time.monotonic)
@@ -37,12 +39,16 @@ def stats(p: ModelProcess) -> dict[str, Any]:
         "locked_kv_tokens": p.kv.tree.locked_size(),
         "num_running_reqs": len(p.running),
         "num_waiting_reqs": len(p.waiting),
+        "num_prefilling_reqs": sum(r.prefilling for r in p.waiting),
         "cache_hit_rate": c.cached_tokens / max(1, c.prompt_tokens),
         "retracted_reqs": c.retracted,
         "jump_forwards": p.constraints.jumps,
         "jump_forward_tokens": p.constraints.jump_tokens,
         "jump_forward_batch_steps": c.mixed_steps,
         "overlapped_decode_steps": c.overlapped_steps,
+        "mixed_fill_steps": c.mixed_fills,
+        "prefill_chunks": c.prefill_chunks,
+        "chunked_prefill_size": p.chunk_size or -1,
         "overlap_schedule": p.overlap,
         "max_running_requests": info.max_running_requests,
         "device": info.device,

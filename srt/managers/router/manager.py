@@ -55,10 +55,13 @@ class RouterManager:
                 self.fault.tick()
             for sock in self.to_models:
                 sock.send(step)
-            out = self._wait(self.from_model)
+            while True:  # a round's partial outputs (streaming), then its last StepOutput
+                out = self._wait(self.from_model)
+                if out.token_out is not None:
+                    self.to_detokenizer.send(out.token_out)
+                if not out.partial:
+                    break
             has_work = out.has_work
-            if out.token_out is not None:
-                self.to_detokenizer.send(out.token_out)
             for c in out.controls:
                 self.to_detokenizer.send(c)
 
