@@ -74,6 +74,7 @@ class ModelProcess:
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
         self.mixed = args.enable_mixed_chunk
         self._decode_turn = False  # without mixing: decode once before the next prefill chunk
+        self._emit: Callable[[BatchTokenIdOut], None] | None = None  # this round's
         self.ratio = TokenRatio.from_conservativeness(args.schedule_conservativeness)
         self.rng = random.Random(args.random_seed)
         self.arrivals = 0
@@ -111,6 +112,7 @@ class ModelProcess:
         """One round. `emit` (rank 0 of a server): called with the outputs of each decode step
         but the last of the round, which go into the returned StepOutput with the rest."""
         outs: list[TokenOut] = []
+        self._emit = emit
         if self.inflight is not None and (inp.aborts or inp.controls):
             self._resolve(outs)  # aborts and controls see every request's host state
         for r in inp.reqs:
@@ -133,9 +135,8 @@ class ModelProcess:
                                  and any(r.prefilling for r in self.waiting))
         elif self.batch:
             for i in range(1 if self.waiting else DECODE_STEPS_PER_ROUND):
-                if i and emit is not None and outs:
-                    emit(BatchTokenIdOut(list(outs)))
-                    outs.clear()
+                if i:
+                    self._flush(outs)
                 if not self.batch or self._decode_step(outs):
                     break  # done, or a request jumped forward: extend it in the next round
         elif self.waiting and all(r.fsm_pending for r in self.waiting):
@@ -145,6 +146,12 @@ class ModelProcess:
         maybe_log(self)
         return StepOutput(BatchTokenIdOut(outs) if outs else None, controls,
                           has_work=bool(self.batch or self.waiting))
+
+    def _flush(self, outs: list[TokenOut]) -> None:
+        """Hand the outputs so far on before the round ends (through the round's `emit`)."""
+        if self._emit is not None and outs:
+            self._emit(BatchTokenIdOut(list(outs)))
+            outs.clear()
 
     def _add_request(self, r: TokenizedGenerateReq) -> None:
         self.arrivals += 1
@@ -185,6 +192,7 @@ class ModelProcess:
         mix = False
         if self.mixed and self.batch:
             self._resolve(outs)
+            self._flush(outs)  # its tokens go out now, not with the mixed step's
             mix = bool(self.batch) and self.kv.room() >= n_fill + self.batch.mixed_rows()
         n_run = self.batch.mixed_rows() if mix else 0
         slots = self.kv.alloc_slots(n_fill + n_run)
@@ -203,6 +211,7 @@ class ModelProcess:
         launched = self.executor.launch(plan)
         if self.inflight is not None:
             self._resolve(outs)
+            self._flush(outs)  # while the device computes the fill
         self._apply(launched, outs)
         fill.filter(lambda r: r.status == ReqStatus.RUNNING)
         if mix:
