@@ -17,8 +17,8 @@ import statistics
 import sys
 import time
 
-from benchmarks.common import Shape, add_engine_args, copy_bandwidth, hardware, print_table, \
-    start_engine, write_json
+from benchmarks.common import Shape, add_engine_args, copy_bandwidth, hardware, \
+    parse_with_server_args, print_table, start_engine, write_json
 
 
 def main() -> None:
@@ -27,12 +27,12 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--runs", type=int, default=3)
-    a = p.parse_args()
+    a = parse_with_server_args(p)
 
     bw = copy_bandwidth()
     shape = Shape.of(a.shape)
     rng = random.Random(0)
-    engine, startup = start_engine(a)
+    engine, startup = start_engine(a, **a.server_args)
     with engine:
         info = engine.model_info
 

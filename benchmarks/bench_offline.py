@@ -29,7 +29,7 @@ import time
 import torch
 
 from benchmarks.common import Shape, add_engine_args, copy_bandwidth, decode_step_times, \
-    hardware, matmul_rate, print_table, start_engine, write_json
+    hardware, matmul_rate, parse_with_server_args, print_table, start_engine, write_json
 from benchmarks.hf_baseline import run_hf_generate_batch
 from srt.model_process.step_timing import PHASES, per_step_ms
 
@@ -106,7 +106,7 @@ def main() -> None:
                    help="also run the first --hf-requests prompts through transformers")
     p.add_argument("--hf-requests", type=int, default=64)
     p.add_argument("--hf-output-len", type=int, default=520)
-    a = p.parse_args()
+    a = parse_with_server_args(p)
 
     prompts, out_lens = w1_workload(a.num_prompts)
     if a.num_prompts == 256:
@@ -124,7 +124,7 @@ def main() -> None:
     shape = Shape.of(a.shape)
     floor = floor_seconds(shape, [len(x) for x in prompts], out_lens, bw, flops, a.tp_size)
     hf_prompts = prompts[: a.hf_requests]
-    engine, startup = start_engine(a)
+    engine, startup = start_engine(a, **a.server_args)
     with engine:
         info = engine.model_info
         engine.generate(input_ids=[1, 2, 3, 4, 5], sampling_params={"max_new_tokens": 16})

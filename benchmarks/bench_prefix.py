@@ -21,8 +21,8 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.common import Shape, add_engine_args, hardware, print_table, start_engine, \
-    write_json
+from benchmarks.common import Shape, add_engine_args, hardware, parse_with_server_args, \
+    print_table, start_engine, write_json
 
 
 def w2_workload(num: int, prefix_len: int, suffix_len: int, vocab: int,
@@ -35,7 +35,7 @@ def w2_workload(num: int, prefix_len: int, suffix_len: int, vocab: int,
 
 def run_once(a: Any, prompts: list[list[int]], cache: bool) -> dict[str, Any]:
     """One fresh engine (radix cache on or off), the warm-up, then the timed batch."""
-    engine, startup = start_engine(a, disable_radix_cache=not cache)
+    engine, startup = start_engine(a, **{**a.server_args, "disable_radix_cache": not cache})
     rng = random.Random(1)
     with engine:
         info = engine.model_info
@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--prefix-len", type=int, default=2048)
     p.add_argument("--suffix-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
-    a = p.parse_args()
+    a = parse_with_server_args(p)
 
     prompts = w2_workload(a.num_requests, a.prefix_len, a.suffix_len, Shape.of(a.shape).vocab)
     runs = [run_once(a, prompts, cache) for cache in

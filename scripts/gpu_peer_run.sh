@@ -7,12 +7,14 @@
 #                   short streams + an 8k prompt every 3 s: bench_serving.py --workload long-mix,
 #                   knobs in MIX_ARGS, default "--request-rate 8 --duration 60"),
 #                   tests (the gpu-marked tests in TESTS); e.g. SRT="offline:llama3-8b tests"
-#   SRT_ARGS="..."  extra flags of every srt stage (long and serving-long also take any
-#                   srt.ServerArgs flag, e.g. "--chunked-prefill-size 8192 --enable-mixed-chunk")
+#   SRT_ARGS="..."  extra flags of every srt stage: the benchmark's own or any srt.ServerArgs
+#                   flag, e.g. "--chunked-prefill-size 8192 --enable-mixed-chunk"
 #   VLLM="..."      shapes to run vLLM on (needs all three parts copied; installs once)
 #   VLLM_LONG="..." shapes to run vLLM's --long mode on (W3, T30, D30; same install)
 #   TAG=a           suffix of the result files (runs A and B of one sitting)
-# Wheels srt needs that the machine lacks travel in .whl (installed to /tmp/site).
+# Wheels srt needs that the machine lacks travel in .whl (installed to /tmp/site): for Python
+# 3.12, pyzmq, and for the HTTP stages fastapi 0.136.3 (newer ones import opentelemetry),
+# starlette 1.3.1, uvicorn, pydantic, pydantic-core, annotated-types, typing-inspection.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/latest}
