@@ -56,7 +56,8 @@ def mixed_requests(vocab: int, n: int, seed: int, stops: dict[str, int] | None =
 
 
 def serve(server: Any, reqs: list[TokenizedGenerateReq]) -> Outputs:
-    """rid -> (ids, finish reason, completion tokens, output logprobs, prompt logprobs)."""
+    """rid -> (ids, finish reason, completion tokens, output logprobs, prompt logprobs, cached
+    tokens)."""
     res = {}
     for rid, outs in serve_all(server, reqs).items():
         out_lp = [x for t in outs if t.output_logprobs is not None
@@ -64,7 +65,7 @@ def serve(server: Any, reqs: list[TokenizedGenerateReq]) -> Outputs:
         in_lp = [x for t in outs if t.input_logprobs is not None
                  for x in t.input_logprobs.logprobs]
         res[rid] = ([i for t in outs for i in t.new_ids], outs[-1].finish_reason,
-                    outs[-1].completion_tokens, out_lp, in_lp)
+                    outs[-1].completion_tokens, out_lp, in_lp, outs[-1].cached_tokens)
     return res
 
 

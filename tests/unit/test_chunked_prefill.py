@@ -22,7 +22,8 @@ import torch
 from srt.managers.image_processor import to_image_input
 from srt.managers.io_struct import LogprobOptions, TokenizedGenerateReq
 from srt.model_process.loop import ModelProcess
-from tests.model_process import cpu_model_server, kv_is_free, serve_all
+from tests.model_process import cpu_model_server, kv_is_free
+from tests.overlap_cases import serve
 
 CHUNK = 64
 NEW = 6
@@ -43,15 +44,9 @@ def _server(path: str, chunk: int, mixed: bool = False, **args: Any) -> ModelPro
 
 
 def _serve(server: ModelProcess, reqs: list[TokenizedGenerateReq]) -> dict[str, Any]:
-    """rid -> (ids, finish reason, cached tokens, output logprobs, prompt logprobs)."""
-    res = {}
-    for rid, outs in serve_all(server, reqs).items():
-        out_lp = [x for t in outs if t.output_logprobs is not None
-                  for x in t.output_logprobs.logprobs]
-        in_lp = [x for t in outs if t.input_logprobs is not None
-                 for x in t.input_logprobs.logprobs]
-        res[rid] = ([i for t in outs for i in t.new_ids], outs[-1].finish_reason,
-                    outs[-1].cached_tokens, out_lp, in_lp)
+    """rid -> (ids, finish reason, completion tokens, output logprobs, prompt logprobs, cached
+    tokens); the KV pool is whole afterwards."""
+    res = serve(server, reqs)
     assert kv_is_free(server)
     return res
 
@@ -62,7 +57,7 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any], cached: bool = True)
         g, w = got[rid], want[rid]
         assert g[:2] == w[:2], (rid, g[:2], w[:2])
         if cached:
-            assert g[2] == w[2], (rid, g[2], w[2])
+            assert g[5] == w[5], (rid, g[5], w[5])
         assert g[3] == pytest.approx(w[3], abs=TOL), rid
         assert len(g[4]) == len(w[4]), rid
         assert [x if x is not None else 0.0 for x in g[4]] == pytest.approx(
@@ -115,7 +110,7 @@ def test_chunks_equal_transformers(mode: str, plain: ModelProcess, chunked: Mode
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
     for r in _length_requests():
-        ids, _, _, out_lp, in_lp = got[r.rid]
+        ids, _, _, out_lp, in_lp, _ = got[r.rid]
         seq = list(r.input_ids)
         with torch.no_grad():
             for _ in range(NEW):
@@ -146,7 +141,7 @@ def test_cached_prefix_then_chunks(plain: ModelProcess, chunked: ModelProcess) -
         return {**first, **second}
 
     got, want = run(chunked), run(plain)
-    assert got["b"][2] >= 150 and got["c"][2] >= 150
+    assert got["b"][5] >= 150 and got["c"][5] >= 150
     assert len(got["c"][4]) == 350 - 230
     _assert_same(got, want)
 
@@ -168,7 +163,7 @@ def test_regex_and_two_samples(plain: ModelProcess, mixed: ModelProcess,
     assert re.fullmatch(pattern, text), text
     assert got["g-0"][0] == got["g-1"][0]
     # the second sample waited for the first one's chunks and reused all of its prompt
-    assert max(got["g-0"][2], got["g-1"][2]) >= 5 * CHUNK
+    assert max(got["g-0"][5], got["g-1"][5]) >= 5 * CHUNK
     _assert_same(got, _serve(_flushed(plain), reqs()), cached=False)
 
 
