@@ -74,6 +74,10 @@ class ForwardBatch:
     # DECODE only: the first shared_prefix_len context positions of every request are the same
     # pool slots (a prefix they all matched in the radix cache); 0 when none or not computed.
     shared_prefix_len: int = 0
+    # EXTEND only (a mixed step): the last decode_tail requests each compute one token at the
+    # end of their context (decode rows riding in a fill step); a backend that sets
+    # `supports_decode_tail` may compute them as DECODE rows. 0: every request is an extend.
+    decode_tail: int = 0
 
 
 _current: list[ForwardBatch] = []

@@ -136,6 +136,8 @@ class StepExecutor:
             attn_backend=self.runner.attn_backend,
             images=plan.images,
         )
+        if plan.n_fill is not None and self.runner.attn_backend.supports_decode_tail:
+            fb.decode_tail = _decode_tail(plan)
         if (plan.mode == ForwardMode.DECODE and plan.sample_rows is None
                 and self.runner.wants_shared_prefix(len(reqs))):
             fb.shared_prefix_len = shared_prefix_len([r.last_node for r in reqs])
@@ -192,3 +194,14 @@ class StepExecutor:
         """The next step follows host work that is not a decode step (a fill, a pause): its
         device idle time is not booked."""
         self._last_end = None
+
+
+def _decode_tail(plan: StepPlan) -> int:
+    """Running requests at the end of a mixed step that compute one token each (those after a
+    jump-forward compute several and stay extend rows)."""
+    tail = 0
+    for e in reversed(plan.extend_lens[plan.n_fill:]):
+        if e != 1:
+            break
+        tail += 1
+    return tail

@@ -235,3 +235,37 @@ def test_image_span_across_chunk_borders(llava_dir: str) -> None:
     assert chunks >= 4 and none == 0
     assert len(got["img"][4]) == len(prompt) - 1 + 16
     _assert_same(got, want)
+
+
+# ---------------------------------------------------------------------------- Triton
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: Any) -> str:
+    from tests.random_models import save_random_llama
+
+    return save_random_llama(str(tmp_path_factory.mktemp("chunks-triton")), num_hidden_layers=2,
+                             hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=600)
+
+
+def test_triton_mixed_steps_decode_rows_through_the_decode_kernel(tiny_llama: str) -> None:
+    """Triton attention (interpreted on the CPU): mixed steps compute their running requests'
+    tokens with the decode kernel and the chunks with the extend kernel; the greedy ids and
+    logprobs equal the torch backend's without chunking."""
+    def reqs() -> list[TokenizedGenerateReq]:
+        rng = random.Random(50)
+        lp = LogprobOptions(logprob_start_len=0, top_logprobs_num=1)
+        out = [TokenizedGenerateReq(f"s{i}", [rng.randrange(600) for _ in range(6 + i)],
+                                    _greedy(12), logprob=lp if i == 1 else None)
+               for i in range(3)]
+        out.append(TokenizedGenerateReq("long", [rng.randrange(600) for _ in range(70)],
+                                        _greedy(3), logprob=lp))
+        return out
+
+    triton = _server(tiny_llama, 16, mixed=True, attention_backend="triton")
+    assert triton.runner.attn_backend.supports_decode_tail
+    got = _serve(triton, reqs())
+    assert triton.stats()["mixed_fill_steps"] >= 3
+    want = _serve(_server(tiny_llama, -1), reqs())
+    _assert_same(got, want, cached=False)

@@ -6,6 +6,10 @@ for one layer after `RadixAttention` has written this step's K/V into the pool a
 `fb.out_cache_loc`. Queries are `[tokens, heads, head_dim]`; the result has the same shape. A backend
 never changes the pools' bookkeeping and never touches the radix tree.
 
+Mixed steps: a backend with `supports_decode_tail` reads `fb.decode_tail` in EXTEND (the last
+requests of the batch are single decode tokens) and may compute those rows with its decode
+kernel; the others ignore it and treat them as extends of one token.
+
 CUDA graphs (DECODE only): `init_cuda_graph_capture(fb)` replaces `init_forward_metadata` while a
 graph of batch size `fb.batch_size` is captured, and `init_cuda_graph_replay(fb)` before each
 replay; whatever the captured kernels read must then live in buffers whose addresses never change,
@@ -37,6 +41,7 @@ class AttentionBackend:
         """Per-step preparation shared by all layers."""
 
     supports_cuda_graph = False
+    supports_decode_tail = False
 
     def init_cuda_graph_capture(self, fb: "ForwardBatch") -> None:
         raise NotImplementedError

@@ -51,6 +51,20 @@ class TritonDecodeMetadata:
     shared_splits: int = 0
 
 
+@dataclass
+class TritonMixedMetadata:
+    """A mixed step: the first requests' new tokens through the extend kernel, the last
+    `decode_tail` requests' single tokens (rows `extend_tokens` on) through the decode kernel."""
+
+    extend: TritonExtendMetadata
+    extend_tokens: int
+    decode: TritonDecodeMetadata
+    # The decode rows' req_to_token rows and context lengths, copied out of the step's tensors
+    # so that they start at aligned addresses (Triton specializes on pointer alignment).
+    decode_rows: torch.Tensor
+    decode_seq_lens: torch.Tensor
+
+
 # A shared prefix is read once per batch when it saves at least this many token reads per
 # layer (the shared stage costs one more launch per layer).
 SHARED_PREFIX_MIN_SAVED_TOKENS = 4096
@@ -87,25 +101,40 @@ class TritonAttnBackend(AttentionBackend):
     # ------------------------------------------------------------------ per step
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        if fb.forward_mode.is_extend():
-            prefix = list(fb.prefix_lens_cpu)
-            extend = list(fb.extend_lens_cpu)
-            starts = [0, *accumulate(extend)][:-1]
-            # One host->device copy for the three per-request vectors, each row padded to 32
-            # entries (128 bytes): Triton specializes kernels on the 16-byte alignment of every
-            # pointer, so unpadded rows compiled new variants for each batch size mod 4.
-            pad = [0] * (-len(prefix) % 32)
-            packed = torch.tensor([prefix + pad, extend + pad, starts + pad], dtype=torch.int32)
-            packed = packed.to(fb.req_pool_indices.device, non_blocking=True)
-            bs = len(prefix)
-            fb.attn_metadata = TritonExtendMetadata(
-                prefix_lens=packed[0, :bs],
-                extend_lens=packed[1, :bs],
-                extend_start_loc=packed[2, :bs],
-                max_len_extend=max(extend, default=0),
-            )
+        tail = fb.decode_tail if fb.forward_mode == ForwardMode.EXTEND else 0
+        if 0 < tail < fb.batch_size:
+            n = fb.batch_size - tail
+            ext = self._extend_metadata(fb.prefix_lens_cpu[:n], fb.extend_lens_cpu[:n],
+                                        fb.req_pool_indices.device)
+            longest = max(fb.seq_lens_cpu[n:], default=1)
+            fb.attn_metadata = TritonMixedMetadata(
+                ext, sum(fb.extend_lens_cpu[:n]),
+                TritonDecodeMetadata(num_kv_splits=self._splits(tail, longest)),
+                fb.req_pool_indices[n:].clone(), fb.seq_lens[n:].clone())
+        elif fb.forward_mode.is_extend():
+            fb.attn_metadata = self._extend_metadata(fb.prefix_lens_cpu, fb.extend_lens_cpu,
+                                                     fb.req_pool_indices.device)
         else:
             fb.attn_metadata = self._decode_metadata(fb)
+
+    def _extend_metadata(self, prefix_lens: list[int], extend_lens: list[int],
+                         device: torch.device) -> TritonExtendMetadata:
+        prefix = list(prefix_lens)
+        extend = list(extend_lens)
+        starts = [0, *accumulate(extend)][:-1]
+        # One host->device copy for the three per-request vectors, each row padded to 32
+        # entries (128 bytes): Triton specializes kernels on the 16-byte alignment of every
+        # pointer, so unpadded rows compiled new variants for each batch size mod 4.
+        pad = [0] * (-len(prefix) % 32)
+        packed = torch.tensor([prefix + pad, extend + pad, starts + pad], dtype=torch.int32)
+        packed = packed.to(device, non_blocking=True)
+        bs = len(prefix)
+        return TritonExtendMetadata(
+            prefix_lens=packed[0, :bs],
+            extend_lens=packed[1, :bs],
+            extend_start_loc=packed[2, :bs],
+            max_len_extend=max(extend, default=0),
+        )
 
     def _decode_metadata(self, fb: ForwardBatch) -> TritonDecodeMetadata:
         bs, shared = fb.batch_size, fb.shared_prefix_len
@@ -142,6 +171,7 @@ class TritonAttnBackend(AttentionBackend):
 
     supports_cuda_graph = True
     supports_shared_prefix = True  # reads ForwardBatch.shared_prefix_len in eager DECODE
+    supports_decode_tail = True  # a mixed step's decode rows go through the decode kernel
 
     def init_cuda_graph_capture(self, fb: ForwardBatch) -> None:
         # The split count is baked into the graph: take the one for the longest context, so any
@@ -158,8 +188,22 @@ class TritonAttnBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
         fb: ForwardBatch,
     ) -> torch.Tensor:
-        meta: TritonExtendMetadata = fb.attn_metadata
+        meta = fb.attn_metadata
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if isinstance(meta, TritonMixedMetadata):  # extends, then the decode rows
+            t = meta.extend_tokens
+            k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+            extend_attention_fwd(
+                q[:t], k[:t], v[:t], o[:t], k_buf, v_buf, fb.req_to_token_pool.req_to_token,
+                fb.req_pool_indices, meta.extend.prefix_lens, meta.extend.extend_lens,
+                meta.extend.extend_start_loc, meta.extend.max_len_extend, layer.scaling,
+            )
+            decode_attention_fwd(
+                q[t:], k_buf, v_buf, o[t:], fb.req_to_token_pool.req_to_token,
+                meta.decode_rows, meta.decode_seq_lens, layer.scaling,
+                meta.decode.num_kv_splits, self.workspace,
+            )
+            return o
         if fb.forward_mode == ForwardMode.PREFILL:
             context_attention_fwd(
                 q, k, v, o, meta.extend_start_loc, meta.extend_lens, meta.max_len_extend,
