@@ -225,7 +225,7 @@ def launch_server(args: ServerArgs) -> int:
         logger.error("%s", e)
         return 1
     supervisor, ports = rt.supervisor, rt.ports
-    from srt.http.lifecycle import Lifecycle, drain, make_graceful_server
+    from srt.http.lifecycle import Lifecycle
     from srt.managers.tokenizer_manager import TokenizerManager
 
     try:
@@ -270,6 +270,26 @@ def launch_server(args: ServerArgs) -> int:
     tm.on_loop_failure = lambda reason: threading.Thread(
         target=on_failure, args=(Failure(reason, stalled=False),), daemon=True).start()
     supervisor.watch(on_failure)
+    try:
+        server = _http_server(args, tm, supervisor, lifecycle, loop_box)
+    except Exception:  # e.g. a broken web framework install: never hang with children up
+        logger.exception("the HTTP server could not be set up")
+        rt.stop()
+        return 1
+    logger.info("ready: serving on http://%s:%d", args.host, args.port)
+    try:
+        server.run()
+    finally:
+        rt.stop()
+    logger.info("stopped")
+    return 0
+
+
+def _http_server(args: ServerArgs, tm: Any, supervisor: Any, lifecycle: Any,
+                 loop_box: list[asyncio.AbstractEventLoop]) -> Any:
+    """The app and the uvicorn server that drains on the first SIGTERM / SIGINT."""
+    from srt.http.lifecycle import drain, make_graceful_server
+
     app = create_app(args, tm, supervisor, lifecycle, on_loop=loop_box.append)
 
     import uvicorn
@@ -296,13 +316,7 @@ def launch_server(args: ServerArgs) -> int:
         loop.call_soon_threadsafe(lambda: loop.create_task(drain_then_exit()))
 
     server = make_graceful_server(config, on_signal)
-    logger.info("ready: serving on http://%s:%d", args.host, args.port)
-    try:
-        server.run()
-    finally:
-        rt.stop()
-    logger.info("stopped")
-    return 0
+    return server
 
 
 def main(argv: list[str] | None = None) -> None:

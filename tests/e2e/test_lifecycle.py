@@ -91,3 +91,32 @@ def test_startup_failure_is_reported(tmp_path: Any) -> None:
     assert proc.returncode != 0
     assert "model process (TP rank 0) failed to start" in proc.stderr
     assert "NoSuchModelForCausalLM" in proc.stderr and "LlamaForCausalLM" in proc.stderr
+
+
+def test_http_setup_failure_exits_and_stops_the_children(tmp_path: Any) -> None:
+    """The web framework fails to import after the children started (a broken install): the
+    server logs it, stops every child and exits 1, instead of hanging."""
+    fake = tmp_path / "fastapi"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'opentelemetry'\")\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "srt.server", "--port", "0", *BASE_ARGS,
+         "--max-total-tokens", "2048"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}"))
+    seen: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            seen.update({p.pid: p for p in _tree(proc.pid)[1:]})
+        except psutil.NoSuchProcess:  # it exited meanwhile
+            pass
+        time.sleep(0.2)
+    if proc.poll() is None:
+        proc.kill()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1, err[-2000:]
+    assert "the HTTP server could not be set up" in err and "opentelemetry" in err
+    assert len(seen) >= 3, seen  # the children had started
+    assert not _all_gone(list(seen.values()), timeout=10)
