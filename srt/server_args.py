@@ -53,10 +53,11 @@ class ServerArgs:
     max_total_tokens: int | None = _f(None, "KV pool size in tokens (overrides the fraction).")
     max_running_requests: int | None = _f(None, "Most requests running at once (rows of "
                                           "req_to_token). Default: min(512, pool size).")
-    max_prefill_tokens: int = _f(8192, "Most new tokens in one fill batch (a single longer "
-                                 "prompt still runs alone).")
+    max_prefill_tokens: int = _f(8192, "Most new tokens in one fill batch (with chunking "
+                                 "off, a single longer prompt still runs alone).")
     chunked_prefill_size: int = _f(
-        8192, "Most new tokens one fill computes: a longer prompt is computed in chunks over "
+        8192, "Most new tokens one fill computes (and at most --max-prefill-tokens): a longer "
+        "prompt is computed in chunks over "
         "several fills (its KV kept between them), so running requests keep decoding between "
         "(or, with --enable-mixed-chunk, inside) those fills. -1 turns chunking off.")
     enable_mixed_chunk: bool = _f(

@@ -98,8 +98,8 @@ class Admission:
             return None
         if extend_len + max_new > self.available:
             return None
-        if self.chunk_size is not None:
-            left = self.chunk_size - self.batch_new_tokens
+        if self.chunk_size is not None:  # --max-prefill-tokens bounds the fill too
+            left = min(self.chunk_size, self.max_prefill_tokens) - self.batch_new_tokens
             return min(extend_len, left) if left > 0 else None
         # A prompt longer than the budget still runs, alone.
         if self.admitted == 0 or self.batch_new_tokens + extend_len <= self.max_prefill_tokens:

@@ -144,6 +144,34 @@ def test_free_rows_limit_the_count() -> None:
     assert not ok and spy.locks == 0
 
 
+def test_chunked_admission_cuts_the_request_that_crosses_the_chunk() -> None:
+    adm = Admission.start(1000, 0, [], 0.0, 1000, 4, chunk_size=100)
+    spy = LockSpy(10)
+    assert adm.admit(60, 5, spy.lock, spy.unlock) == 60
+    # 70 more tokens: only 40 fit this fill, but the whole request (70 + 5) is reserved
+    assert adm.admit(70, 5, spy.lock, spy.unlock) == 40
+    assert (adm.available, adm.batch_new_tokens, adm.admitted, adm.free_rows) == \
+        (1000 - 20 - 65 - 75, 100, 2, 2)
+    assert adm.admit(1, 1, spy.lock, spy.unlock) is None  # the chunk is full
+    assert spy.locks == 2 and spy.unlocks == 0
+
+
+def test_chunked_admission_of_a_prefilling_request() -> None:
+    # its prefix is locked already and it holds its row: no lock, no row, the rest reserved
+    adm = Admission.start(500, 0, [], 0.0, 1000, 0, chunk_size=128)
+    assert adm.admit(300, 10, lambda: 0, lambda: 0, held_row=True) == 128
+    assert (adm.available, adm.free_rows) == (190, 0)
+    # a request that does not fit whole is not admitted, not even for a chunk
+    adm = Admission.start(200, 0, [], 0.0, 1000, 4, chunk_size=128)
+    spy = LockSpy()
+    assert adm.admit(300, 10, spy.lock, spy.unlock) is None and spy.locks == 0
+
+
+def test_chunk_never_exceeds_max_prefill_tokens() -> None:
+    adm = Admission.start(10_000, 0, [], 0.0, 64, 4, chunk_size=256)
+    assert adm.admit(1000, 1, lambda: 0, lambda: 0) == 64
+
+
 # ---------------------------------------------------------------- reference property
 
 
