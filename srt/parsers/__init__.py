@@ -1,0 +1,1 @@
+"""Parsers of model output text: reasoning (`<think>...</think>`) and tool calls."""
