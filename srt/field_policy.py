@@ -172,14 +172,15 @@ _OPENAI_IMPLEMENTED = frozenset({
     "model", "frequency_penalty", "presence_penalty", "max_tokens", "n", "seed", "stop",
     "stream", "stream_options", "temperature", "top_p", "user", "response_format", "rid",
     "top_k", "min_p", "min_tokens", "repetition_penalty", "stop_token_ids", "stop_regex",
-    "no_stop_trim", "ignore_eos", "skip_special_tokens", "regex", "json_schema", "logprobs",
+    "no_stop_trim", "ignore_eos", "skip_special_tokens", "regex", "json_schema", "ebnf",
+    "logprobs",
     # OpenAI fields that only describe the caller: nothing to do
     "metadata", "store", "service_tier",
 })
 
 _OPENAI_UNSUPPORTED = {
     **_ROUTING,
-    **_nulls("logit_bias", "ebnf", "lora_path", "session_id", "session_params",
+    **_nulls("logit_bias", "lora_path", "session_id", "session_params",
              "custom_params", "custom_logit_processor", "watermark", "images_config",
              "mm_processor_kwargs", "extra_key", "cache_salt", "priority"),
     **_falses("return_hidden_states", "return_routed_experts", "return_cached_tokens_details",
@@ -195,25 +196,21 @@ COMPLETION = Surface(
 
 CHAT = Surface(
     "the /v1/chat/completions body",
-    _OPENAI_IMPLEMENTED | {"messages", "top_logprobs", "max_completion_tokens"},
+    _OPENAI_IMPLEMENTED | {"messages", "top_logprobs", "max_completion_tokens", "tools",
+                           "tool_choice", "parallel_tool_calls", "separate_reasoning",
+                           "stream_reasoning"},
     {
         **_OPENAI_UNSUPPORTED,
-        **_nulls("tools", "sampling_logprobs_mode", "reasoning_effort", "thinking", "task",
+        **_nulls("sampling_logprobs_mode", "reasoning_effort", "thinking", "task",
                  "chat_template_kwargs", "max_dynamic_patch", "min_dynamic_patch",
                  "video_config", "input_ids", "functions"),
         **_falses("return_prompt_token_ids", "return_meta_info", "return_input_ids_in_sglext",
                   "return_output_ids_in_sglext", "return_sampling_mask",
                   "return_flat_raw_output_top_logprobs", "continue_final_message",
                   "use_audio_in_video"),
-        "tool_choice": NoOp("auto", ("none",)),
         "function_call": NoOp(None, ("none",)),
-        "parallel_tool_calls": NoOp(True, (False,)),
         # Without flat logprobs (not implemented) their encoding does nothing either way.
         "return_flat_raw_top_logprobs_b64": NoOp(True, (False,)),
-        # srt has no reasoning parser: a model's reasoning text is part of the content, so
-        # separating it (or streaming it separately) has nothing to act on either way.
-        "separate_reasoning": NoOp(True, (False,)),
-        "stream_reasoning": NoOp(True, (False,)),
     },
 )
 

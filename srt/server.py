@@ -51,10 +51,9 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor, lifecycle: Any
     from srt.managers.request_types import RequestError, ServerFailure
     from srt.watchdog import Heartbeat
 
-    chat_template = None
-    if args.chat_template:
-        with open(args.chat_template) as f:
-            chat_template = f.read()
+    from srt.chat_templates import load_template
+
+    chat_template = load_template(args.chat_template) if args.chat_template else None
 
     heartbeat = Heartbeat()
     supervisor.add_loop("HTTP process", heartbeat)
@@ -118,7 +117,8 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor, lifecycle: Any
             return _error(404, f"no request with rid {rid!r} is running", "rid", "rid_not_found")
         return {"aborted": n}
 
-    openai = OpenAIAdapter(tm, args.served_model_name or str(args.model_path), chat_template)
+    openai = OpenAIAdapter(tm, args.served_model_name or str(args.model_path), chat_template,
+                           args.tool_call_parser, args.reasoning_parser)
 
     @app.get("/v1/models")
     async def v1_models() -> Any:

@@ -78,7 +78,17 @@ class ServerArgs:
     served_model_name: str | None = _f(None, "Model name of the OpenAI API (default: the "
                                        "model path).")
     chat_template: str | None = _f(None, "A Jinja chat template file to use instead of the "
-                                   "tokenizer's.")
+                                   "tokenizer's, or a built-in one by name: chatml-tools "
+                                   "(chatml with Hermes-style tool calls; used by default for "
+                                   "requests with tools when the tokenizer's chatml template "
+                                   "cannot render them).")
+    tool_call_parser: str = _f("hermes", "How tool calls are read from the text of a chat "
+                               "answer with tool_choice auto (the format the chat template "
+                               "teaches: hermes/qwen25 for chatml-tools).",
+                               ("hermes", "qwen25", "llama3", "mistral"))
+    reasoning_parser: str | None = _f(None, "Separate a reasoning model's thinking into "
+                                      "reasoning_content on the chat route (default: off).",
+                                      ("qwen3", "deepseek-r1"))
     constrained_cache_size: int = _f(64, "Compiled regex / JSON-schema FSMs kept per process "
                                      "(least recently used dropped first).")
     constrained_compile_timeout: float = _f(10.0, "Seconds a regex / JSON schema may take to "

@@ -2,10 +2,16 @@
 
 `/v1/completions` and `/v1/chat/completions` are translated into native /generate requests, so
 they share one validation path (errors keep OpenAI's field names) and one way to run requests.
-Fields that are not implemented (tools, suffix, logit_bias, ...: srt/field_policy.py) are
+Fields that are not implemented (suffix, logit_bias, ...: srt/field_policy.py) are
 accepted only at a no-op value and otherwise refused with a 400 naming the field, as are best_of
 > n and more than one image. Chat takes one `image_url` part in a user
 message (for a model with images); the chat template places the image token.
+
+Chat takes OpenAI's tools (`tools`, `tool_choice`, `parallel_tool_calls`; assistant messages
+with `tool_calls`, `tool` messages): the tool fields become a ToolPlan (tool_request.py) whose
+constraint, if any, joins the sampling parameters, and each choice's text becomes a message or
+deltas in chat_choice.py, with the reasoning separated by `--reasoning-parser` (unless the
+request sets `separate_reasoning: false`).
 
 Logprobs come from the native ones (the model's distribution: log_softmax of the raw logits).
 Completions: `logprobs` (0..20) gives {tokens, token_logprobs, top_logprobs, text_offset}, with
@@ -27,7 +33,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from srt import field_policy
 from srt.constrained.fsm import JSON_OBJECT_REGEX
 from srt.field_policy import Surface
+from srt.chat_templates import tools_fallback
+from srt.managers.chat_choice import ChoiceOptions, ChoiceOutput
 from srt.managers.token_bytes import TokenBytes
+from srt.managers.tool_request import plan_tools, template_message
+from srt.parsers.reasoning import get_format
 from srt.managers.request_types import (
     MAX_TOP_LOGPROBS,
     ParsedRequest,
@@ -46,7 +56,7 @@ _SAMPLING_FIELDS = {
     "stop_token_ids": "stop_token_ids", "min_tokens": "min_new_tokens",
     "skip_special_tokens": "skip_special_tokens", "repetition_penalty": "repetition_penalty",
     "no_stop_trim": "no_stop_trim", "regex": "regex", "json_schema": "json_schema",
-    "stop_regex": "stop_regex",
+    "stop_regex": "stop_regex", "ebnf": "ebnf",
 }
 
 
@@ -93,13 +103,36 @@ def _finish_reason(reason: dict[str, Any] | None) -> str | None:
     return {"length": "length", "stop": "stop"}.get(reason["type"], "abort")
 
 
+def bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
+    """An optional boolean field (null: default); RequestError if it is not a boolean."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be a boolean", name, "invalid_type")
+    return value
+
+
 class OpenAIAdapter:
     def __init__(self, tm: TokenizerManager, served_model_name: str,
-                 chat_template: str | None) -> None:
+                 chat_template: str | None, tool_call_parser: str = "hermes",
+                 reasoning_parser: str | None = None) -> None:
+        """chat_template: the template text (None: the tokenizer's). tool_call_parser reads
+        the calls of tool_choice auto; reasoning_parser (None: off) separates reasoning."""
         self.tm = tm
         self.model = served_model_name
         self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser
+        self.reasoning = get_format(reasoning_parser) if reasoning_parser else None
         self._token_bytes: TokenBytes | None = None
+
+    def template_for(self, with_tools: bool) -> str | None:
+        """The chat template of a conversation: --chat-template if given; for one with tools
+        (definitions, calls or results) on a tokenizer whose chatml template cannot render
+        them, the built-in chatml-tools; else the tokenizer's (None)."""
+        if self.chat_template is not None or not with_tools:
+            return self.chat_template
+        return tools_fallback(getattr(self.tm.tokenizer, "chat_template", None))
 
     def token_bytes(self, token_id: int, text: str) -> list[int]:
         if self._token_bytes is None:  # built at the first chat request with logprobs
@@ -224,7 +257,20 @@ class OpenAIAdapter:
         top = self._top_count(body, "top_logprobs")
         if top is not None and not logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-        ids, image = self.chat_ids(body.get("messages"))
+        plan = plan_tools(body)
+        if plan is not None and plan.constrained:
+            if any(k in c["params"] for k in ("regex", "json_schema", "ebnf")):
+                raise RequestError(f"tool_choice {plan.choice!r} constrains the output itself; "
+                                   "it cannot be combined with response_format, regex, "
+                                   "json_schema or ebnf", "tool_choice")
+            c["params"].update(plan.constraint())
+        separate = bool_field(body, "separate_reasoning", True)
+        # A constrained tool answer is JSON from its first token: it has no reasoning.
+        reasoning = self.reasoning if separate and not (plan and plan.constrained) else None
+        c["choice"] = ChoiceOptions(plan, self.tool_call_parser, reasoning,
+                                    bool_field(body, "stream_reasoning", True))
+        ids, image = self.chat_ids(body.get("messages"),
+                                   tools=list(plan.tools) if plan is not None else None)
         # max_completion_tokens, unless it is absent or null (SGLang's gateway sends both)
         budget_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
             else "max_tokens"
@@ -244,7 +290,10 @@ class OpenAIAdapter:
                           return_text_in_logprobs=True)
         c["logprobs"] = bool(logprobs)
         return self._parse_native(native, {"input_ids": "messages", "image_data": "messages",
-                                           "max_new_tokens": budget_name}), c
+                                           "max_new_tokens": budget_name,
+                                           "json_schema": "tools"
+                                           if plan is not None and plan.constrained
+                                           else "json_schema"}), c
 
     async def load_images(self, parsed: ParsedRequest) -> None:
         """TokenizerManager.load_images; a bad image is a 400 naming `messages`."""
@@ -255,20 +304,26 @@ class OpenAIAdapter:
                 raise
             raise RequestError(f"the image_url part: {e}", "messages", e.code, e.status) from None
 
-    def chat_ids(self, messages: Any,
-                  add_generation_prompt: bool = True) -> tuple[list[int], str | None]:
+    def chat_ids(self, messages: Any, add_generation_prompt: bool = True,
+                 tools: list[dict[str, Any]] | None = None) -> tuple[list[int], str | None]:
         """The templated prompt's token ids, and the URL of its image (at most one per
-        request: an `image_url` part of a user message), or None."""
+        request: an `image_url` part of a user message), or None. `tools` (OpenAI's tool
+        definitions) are given to the template."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list", "messages", "invalid_type")
         # Each message as a list of parts: {"type": "text", "text"} or {"type": "image"}.
         parts_per_message: list[list[dict[str, str]]] = []
+        extras: list[dict[str, Any]] = []  # each message's tool fields, for the template
         images: list[str] = []
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-                raise RequestError(f"messages[{i}] needs a role of system, user or assistant",
-                                   "messages", "invalid_value")
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant",
+                                                                "tool"):
+                raise RequestError(f"messages[{i}] needs a role of system, user, assistant or "
+                                   "tool", "messages", "invalid_value")
+            extras.append(template_message(m, i))
             content = m.get("content")
+            if content is None and "tool_calls" in extras[-1]:
+                content = ""  # an assistant message that only calls tools
             if isinstance(content, str):
                 parts_per_message.append([{"type": "text", "text": content}])
                 continue
@@ -293,31 +348,36 @@ class OpenAIAdapter:
             raise RequestError("at most one image per request is supported", "messages",
                                "unsupported")
         roles = [m["role"] for m in messages]
+        template = self.template_for(bool(tools) or any(extras))
+
+        def render(contents: list[Any]) -> list[int]:
+            conversation = [{"role": r, "content": c, **x}
+                            for r, c, x in zip(roles, contents, extras)]
+            return self._apply_template(conversation, template, add_generation_prompt, tools)
+
         if not images:
-            return self._apply_template(roles, [_inline(p, "") for p in parts_per_message],
-                                        add_generation_prompt), None
+            return render([_inline(p, "") for p in parts_per_message]), None
         token = self.tm.limits.image_token_id
         if token is None:
             raise RequestError("this model does not take images", "messages", "unsupported")
         # A template written for images renders {"type": "image"} parts itself; for one that
         # takes plain strings, the image token's text goes where the image part was.
         try:
-            ids = self._apply_template(roles, parts_per_message, add_generation_prompt)
+            ids = render(parts_per_message)
             if ids.count(token) == 1:
                 return ids, images[0]
         except RequestError:
             pass
         text = self.tm.tokenizer.convert_ids_to_tokens(token)
-        return self._apply_template(roles, [_inline(p, text) for p in parts_per_message],
-                                    add_generation_prompt), images[0]
+        return render([_inline(p, text) for p in parts_per_message]), images[0]
 
-    def _apply_template(self, roles: list[str], contents: list[Any],
-                        add_generation_prompt: bool = True) -> list[int]:
-        conversation = [{"role": r, "content": c} for r, c in zip(roles, contents)]
+    def _apply_template(self, conversation: list[dict[str, Any]], template: str | None,
+                        add_generation_prompt: bool,
+                        tools: list[dict[str, Any]] | None) -> list[int]:
         try:
             ids = self.tm.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
-                chat_template=self.chat_template
+                chat_template=template, tools=tools or None
             )
         except Exception as e:  # no template, or the template rejected the conversation
             raise RequestError(f"the chat template failed: {e}", "messages") from None
@@ -403,9 +463,11 @@ class OpenAIAdapter:
             if c["logprobs"]:
                 logprobs = self._chat_logprobs(meta["output_token_logprobs"],
                                                meta["output_top_logprobs"])
-            choices.append({"index": i, "message": {"role": "assistant", "content": r["text"]},
+            out = ChoiceOutput(c["choice"])
+            choices.append({"index": i, "message": out.message(r["text"]),
                             "logprobs": logprobs,
-                            "finish_reason": _finish_reason(meta["finish_reason"])})
+                            "finish_reason": out.finish_reason(
+                                _finish_reason(meta["finish_reason"]))})
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": self.model, "choices": choices,
                 "usage": self._usage(parsed, sum(len(r["output_ids"]) for r in results))}
@@ -413,9 +475,10 @@ class OpenAIAdapter:
     async def stream(self, parsed: ParsedRequest, c: dict[str, Any], chat: bool,
                      is_disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[bytes]:
         """SSE chunks: per choice (chat: a first chunk with the role; completions with echo: a
-        first chunk with the prompt) the text deltas with the logprobs of their new tokens, a
-        chunk with the finish reason; then the usage chunk when asked for, then [DONE]. An
-        aborted request ends the stream with one error event instead."""
+        first chunk with the prompt) the text deltas with the logprobs of their new tokens (chat:
+        the deltas of ChoiceOutput: content, reasoning_content, tool_calls), a chunk with the
+        finish reason; then the usage chunk when asked for, then [DONE]. An aborted request
+        ends the stream with one error event instead."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -423,12 +486,10 @@ class OpenAIAdapter:
         def event(body: dict[str, Any]) -> bytes:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
 
-        def chunk(index: int, delta: str | None, finish: str | None, role: bool = False,
+        def chunk(index: int, delta: str | dict[str, Any] | None, finish: str | None,
                   logprobs: dict[str, Any] | None = None) -> bytes:
-            if chat:
-                d: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
-                    {"content": delta} if delta else {})
-                choice = {"index": index, "delta": d, "logprobs": logprobs,
+            if chat:  # delta: a chat delta object
+                choice = {"index": index, "delta": delta or {}, "logprobs": logprobs,
                           "finish_reason": finish}
             else:
                 choice = {"index": index, "text": delta or "", "logprobs": logprobs,
@@ -442,6 +503,7 @@ class OpenAIAdapter:
         text_offset = [0] * n  # completions: where the next token's text starts
         started = [False] * n
         completion_tokens = [0] * n
+        outputs = [ChoiceOutput(c["choice"]) for _ in range(n)] if chat else []
 
         def logprobs_of(index: int, tokens: list[list[Any]], tops: list[Any]) -> dict[str, Any]:
             if chat:
@@ -452,7 +514,7 @@ class OpenAIAdapter:
 
         if chat:
             for i in range(n):
-                yield chunk(i, None, None, role=True)
+                yield chunk(i, {"role": "assistant", "content": ""}, None)
         # aclosing: a client that leaves closes this generator; the requests are aborted now.
         async with contextlib.aclosing(self.tm.stream_all(parsed, is_disconnected)) as items:
             async for index, item in items:
@@ -484,10 +546,20 @@ class OpenAIAdapter:
                         tops = meta["output_top_logprobs"][sent_logprobs[index]:]
                         sent_logprobs[index] += len(new)
                         lp = logprobs_of(index, new, tops)
-                if delta or lp is not None:
-                    yield chunk(index, delta, None, logprobs=lp)
+                if not chat:
+                    if delta or lp is not None:
+                        yield chunk(index, delta, None, logprobs=lp)
+                    if finish is not None:
+                        yield chunk(index, None, finish)
+                    continue
+                out = outputs[index]
+                deltas = out.feed(delta) + (out.finish() if finish is not None else [])
+                if lp is not None and not deltas:  # the text is held: its logprobs go now
+                    deltas = [{}]
+                for k, d in enumerate(deltas):
+                    yield chunk(index, d, None, logprobs=lp if k == 0 else None)
                 if finish is not None:
-                    yield chunk(index, None, finish)
+                    yield chunk(index, None, out.finish_reason(finish))
         if c.get("include_usage"):
             yield event({"id": rid, "object": obj, "created": created, "model": self.model,
                          "choices": [], "usage": self._usage(parsed, sum(completion_tokens))})

@@ -14,7 +14,7 @@ from typing import Any
 
 from srt import field_policy
 from srt.field_policy import Surface
-from srt.managers.openai_api import OpenAIAdapter
+from srt.managers.openai_api import OpenAIAdapter, bool_field
 from srt.managers.request_types import RequestError, checked_fields
 from srt.sampling_params import is_valid_utf8
 
@@ -27,15 +27,6 @@ def _fields(body: Any, surface: Surface, adapter: OpenAIAdapter) -> dict[str, An
     return body
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise RequestError(f"{name} must be a boolean", name, "invalid_type")
-    return value
-
-
 def tokenize(adapter: OpenAIAdapter, body: Any) -> dict[str, Any]:
     body = _fields(body, field_policy.TOKENIZE, adapter)
     tm = adapter.tm
@@ -43,9 +34,9 @@ def tokenize(adapter: OpenAIAdapter, body: Any) -> dict[str, Any]:
     if (prompt is None) == (messages is None):
         raise RequestError("give exactly one of prompt and messages", "prompt")
     if messages is not None:
-        ids, _ = adapter.chat_ids(messages, _flag(body, "add_generation_prompt", True))
+        ids, _ = adapter.chat_ids(messages, bool_field(body, "add_generation_prompt", True))
         return {"tokens": ids, "count": len(ids), "max_model_len": tm.limits.context_length}
-    special = _flag(body, "add_special_tokens", True)
+    special = bool_field(body, "add_special_tokens", True)
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, list) or not prompts \
             or not all(isinstance(p, str) and is_valid_utf8(p) for p in prompts):
@@ -76,6 +67,6 @@ def detokenize(adapter: OpenAIAdapter, body: Any) -> dict[str, Any]:
     else:
         raise RequestError(f"tokens must be a list of token ids in [0, {vocab}), or a list of "
                            "such lists", "tokens", "invalid_type")
-    skip = _flag(body, "skip_special_tokens", True)
+    skip = bool_field(body, "skip_special_tokens", True)
     texts = [tm.tokenizer.decode(ids, skip_special_tokens=skip) for ids in batch]
     return {"text": texts[0] if single else texts}
