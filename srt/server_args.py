@@ -46,7 +46,14 @@ class ServerArgs:
                           "weights (benchmarks).", ("auto", "safetensors", "dummy"))
     attention_backend: str = _f(
         "auto", "Attention implementation; auto picks triton on a GPU (its decode measured "
-        "faster than flashinfer's), and torch on the CPU.", ("auto", "torch", "triton", "flashinfer"))
+        "faster than flashinfer's; with flashinfer installed, its prefill for EXTEND steps), and "
+        "torch on the CPU.", ("auto", "torch", "triton", "flashinfer"))
+    prefill_attention_backend: str | None = _f(
+        None, "Attention backend of EXTEND/PREFILL steps (default: --attention-backend's).",
+        ("torch", "triton", "flashinfer"))
+    decode_attention_backend: str | None = _f(
+        None, "Attention backend of DECODE steps (default: --attention-backend's).",
+        ("torch", "triton", "flashinfer"))
     context_length: int | None = _f(None, "Context length (default: the model's).")
     mem_fraction_static: float = _f(
         0.88, "Fraction of device memory for weights plus KV pool (on the CPU: of free RAM).")
@@ -89,12 +96,20 @@ class ServerArgs:
     reasoning_parser: str | None = _f(None, "Separate a reasoning model's thinking into "
                                       "reasoning_content on the chat route (default: off).",
                                       ("qwen3", "deepseek-r1"))
-    constrained_cache_size: int = _f(64, "Compiled regex / JSON-schema FSMs kept per process "
-                                     "(least recently used dropped first).")
+    grammar_backend: str = _f(
+        "xgrammar", "Compiles regex / JSON-schema / EBNF constraints and masks each step "
+        "(README: why xgrammar is the default). outlines (outlines-core) has no EBNF.",
+        ("xgrammar", "llguidance", "outlines"))
+    constrained_cache_size: int = _f(64, "Compiled regex / JSON-schema / EBNF grammars kept "
+                                     "per process (least recently used dropped first).")
     constrained_compile_timeout: float = _f(10.0, "Seconds a regex / JSON schema may take to "
                                             "compile before the request is refused (400).")
     constrained_max_states: int = _f(100000, "Most FSM states a regex / JSON schema may "
-                                     "compile to before the request is refused (400).")
+                                     "compile to before the request is refused (400; "
+                                     "--grammar-backend outlines).")
+    constrained_max_grammar_bytes: int = _f(
+        256 * 2**20, "Largest compiled grammar (xgrammar: its memory size; llguidance: its "
+        "grammar size limit, in bytes of grammar) before the request is refused (400).")
     allowed_local_media_path: str | None = _f(
         None, "Directory under which image_data may name local files (default: no file access).")
     allow_image_urls: bool = _f(False, "Let image_data be an http(s) URL that the server "
@@ -154,6 +169,7 @@ class ServerArgs:
     max_stop_string_length: int = _f(256, "Longest stop string, in characters.")
     max_regex_length: int = _f(4096, "Longest regex constraint, in characters.")
     max_json_schema_bytes: int = _f(32768, "Largest JSON schema constraint, in bytes of JSON.")
+    max_ebnf_bytes: int = _f(32768, "Largest EBNF grammar constraint, in bytes.")
     max_image_bytes: int = _f(20 * 2**20, "Largest image input, in bytes after base64 "
                               "decoding or download.")
     max_image_pixels: int = _f(4096 * 4096, "Largest image input, in pixels (width x height).")
@@ -205,7 +221,7 @@ class ServerArgs:
             FaultSpec.parse(self.fault)
         positive = ("max_request_body_bytes", "max_batch_prompts", "max_n", "max_stop_strings",
                     "max_stop_string_length", "max_regex_length", "max_json_schema_bytes",
-                    "max_image_bytes", "max_image_pixels", "max_queued_requests")
+                    "max_ebnf_bytes", "max_image_bytes", "max_image_pixels", "max_queued_requests")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from srt.layers import parallel_state
-from srt.layers.attention import create_attention_backend, resolve_backend_name
+from srt.layers.attention import create_step_backends, resolve_step_backends
 from srt.layers.forward_batch import ForwardBatch, forward_context
 from srt.layers.radix_attention import RadixAttention
 from srt.model_process.cuda_graph_runner import CudaGraphRunner
@@ -100,12 +100,16 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.backend_name = resolve_backend_name(args.attention_backend, self.device.type)
-        if self.backend_name == "triton" and self.device.type == "cpu":
+        prefill_name, decode_name = resolve_step_backends(
+            args.attention_backend, args.prefill_attention_backend,
+            args.decode_attention_backend, self.device.type)
+        self.backend_name = (prefill_name if prefill_name == decode_name
+                             else f"{prefill_name} (prefill) + {decode_name} (decode)")
+        if "triton" in (prefill_name, decode_name) and self.device.type == "cpu":
             # Must be set before the kernels are defined; Triton has no CPU code generator.
             os.environ["TRITON_INTERPRET"] = "1"
             logger.warning("triton attention on the CPU runs in Triton's interpreter (slow)")
-        self.attn_backend = create_attention_backend(self.backend_name, runner=self)
+        self.attn_backend = create_step_backends(prefill_name, decode_name, runner=self)
         self.sampler_generator = torch.Generator(device=self.device)
         self.sampler_generator.manual_seed(args.random_seed or 0)
         self.graph_runner: CudaGraphRunner | None = None

