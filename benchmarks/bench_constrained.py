@@ -4,7 +4,8 @@ jump-forward gains on a JSON schema with long keys.
     python3 benchmarks/bench_constrained.py --out constrained.json              # SmolLM2, real
     python3 benchmarks/bench_constrained.py --shape llama3-8b --out c8b.json    # random weights
 
-Constrained decoding needs outlines-core and a byte-level tokenizer, so every run uses a real
+Every part runs once per `--grammar-backend` (xgrammar by default; give several to compare
+their per-step mask cost: each gets its rows). Constrained decoding needs outlines-core and a byte-level tokenizer, so every run uses a real
 tokenizer: the default model's (SmolLM2-135M-Instruct), with its real weights, or with
 `--shape NAME` a model of that shape with random bf16 weights and SmolLM2's tokenizer (its vocab
 size set to the tokenizer's). It runs on the CPU too (a smoke check: `--output-len 24
@@ -130,29 +131,9 @@ def json_chars_per_s(engine: Any, a: Any, bs: int) -> tuple[float, float, int]:
     return statistics.median(rates), statistics.median(passes), int(statistics.median(chars))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--shape", default=None, choices=sorted(SHAPES),
-                   help="random weights of this shape (default: SmolLM2's real weights)")
-    p.add_argument("--tokenizer-dir", default=None,
-                   help="with --shape: take SmolLM2's tokenizer files from this directory "
-                   "instead of preparing the default model (a machine without its weights)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: the server's)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--json-max-tokens", type=int, default=256)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--jump-min-tokens", type=int, nargs="*", default=[],
-                   help="also run jump-forward with each --jump-forward-min-tokens value")
-    p.add_argument("--jump-only", action="store_true", help="skip the per-token part")
-    p.add_argument("--log-level", default="warning")
-    p.add_argument("--out", default=None)
-    a = p.parse_args()
-
-    constrained = _has_outlines()
-    if not constrained:
-        print("outlines-core is not installed: only unconstrained decoding is measured")
-    path, extra = _model_dir(a.shape, a.tokenizer_dir)
+def _measure(a: Any, path: str, extra: dict[str, Any],
+             constrained: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Any]:
+    """Per-token rows and jump-forward rows of one grammar backend (in `extra`)."""
     rows: list[dict[str, Any]] = []
     with _engine(a, path, extra) as engine:
         info = engine.model_info
@@ -165,7 +146,7 @@ def main() -> None:
                 row["regex_ms_per_tok"] = regex * 1e3
                 row["regex_overhead"] = regex / free
             rows.append(row)
-            print(f"measured {row}", flush=True)  # partial results survive a time limit
+            print(f"measured {extra['grammar_backend']} {row}", flush=True)
         jump_rows: list[dict[str, Any]] = []
         if constrained:
             for bs in a.batch_sizes:
@@ -187,13 +168,49 @@ def main() -> None:
                     r[f"min{m}_speedup"] = rate / r["off_chars_per_s"]
                     r[f"min{m}_passes"] = passes
                     print(f"measured {r}", flush=True)
+    return rows, jump_rows, info
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                   help="random weights of this shape (default: SmolLM2's real weights)")
+    p.add_argument("--tokenizer-dir", default=None,
+                   help="with --shape: take SmolLM2's tokenizer files from this directory "
+                   "instead of preparing the default model (a machine without its weights)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: the server's)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--json-max-tokens", type=int, default=256)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--jump-min-tokens", type=int, nargs="*", default=[],
+                   help="also run jump-forward with each --jump-forward-min-tokens value")
+    p.add_argument("--jump-only", action="store_true", help="skip the per-token part")
+    p.add_argument("--grammar-backend", nargs="+", default=["xgrammar"],
+                   choices=["xgrammar", "llguidance", "outlines"],
+                   help="measure each of these grammar backends (one row each)")
+    p.add_argument("--log-level", default="warning")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+
+    constrained = _has_outlines()
+    if not constrained:
+        print("outlines-core is not installed: only unconstrained decoding is measured")
+    path, extra = _model_dir(a.shape, a.tokenizer_dir)
+    rows: list[dict[str, Any]] = []
+    jump_rows: list[dict[str, Any]] = []
+    for backend in a.grammar_backend:
+        b_rows, b_jump, info = _measure(a, path, {**extra, "grammar_backend": backend},
+                                        constrained)
+        rows += [{"backend": backend, **r} for r in b_rows]
+        jump_rows += [{"backend": backend, **r} for r in b_jump]
     print(f"model {a.shape or 'SmolLM2-135M-Instruct'} on {info['device']} ({info['dtype']}, "
           f"{info['attention_backend']}, cuda graph {info['cuda_graph']})")
     if rows:
         print_table(rows, list(rows[0]))
     if constrained:
         print()
-        print_table(jump_rows, ["batch", "chars", "jf_chars_per_s", "off_chars_per_s",
+        print_table(jump_rows, ["backend", "batch", "chars", "jf_chars_per_s", "off_chars_per_s",
                                 "speedup", "jf_passes", "off_passes"]
                     + [f"min{m}_{k}" for m in a.jump_min_tokens for k in ("speedup", "passes")])
     write_json(a.out, {"bench": "constrained", "argv": sys.argv, "hardware": hardware(),

@@ -114,10 +114,11 @@ SAMPLING = Surface(
         "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
         "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
         "stop_regex", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-        "no_stop_trim", "n", "seed", "sampling_seed", "regex", "json_schema", "stream_interval",
+        "no_stop_trim", "n", "seed", "sampling_seed", "regex", "json_schema", "ebnf",
+        "stream_interval",
     }),
     {
-        **_nulls("ebnf", "structural_tag", "logit_bias", "custom_params", "watermark"),
+        **_nulls("structural_tag", "logit_bias", "custom_params", "watermark"),
         "beam_width": NoOp(None, (1,)),
     },
 )

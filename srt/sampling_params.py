@@ -14,6 +14,7 @@ from typing import Any
 
 from srt import field_policy
 from srt import stop_regex as stop_patterns
+from srt.constrained.grammar import ConstraintSpec
 
 
 class SamplingParamError(ValueError):
@@ -53,11 +54,13 @@ class SamplingParams:
     seed: int | None = None  # SGLang's name for it, sampling_seed, is accepted too
     # Tokens per streamed chunk for this request; None: the server's --stream-interval.
     stream_interval: int | None = None
-    # Constrained decoding: the output must fully match `regex`, or be JSON valid under
+    # Constrained decoding: the output must fully match `regex`, be JSON valid under
     # `json_schema` (the schema as compact JSON text, its keys in the client's order: the
-    # order of `properties` is the order of the output's keys). At most one of the two.
+    # order of `properties` is the order of the output's keys), or be a sentence of the EBNF
+    # grammar `ebnf` (xgrammar's GBNF-like syntax, root rule `root`). At most one of the three.
     regex: str | None = None
     json_schema: str | None = None
+    ebnf: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -65,13 +68,21 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
     @property
-    def constraint_key(self) -> str | None:
-        """Identifies the constraint (the FSM cache key), or None when unconstrained."""
+    def constraint(self) -> ConstraintSpec | None:
+        """The request's constraint, or None when unconstrained."""
         if self.regex is not None:
-            return "regex:" + self.regex
+            return ConstraintSpec("regex", self.regex)
         if self.json_schema is not None:
-            return "json_schema:" + self.json_schema
+            return ConstraintSpec("json_schema", self.json_schema)
+        if self.ebnf is not None:
+            return ConstraintSpec("ebnf", self.ebnf)
         return None
+
+    @property
+    def constraint_key(self) -> str | None:
+        """Identifies the constraint (the compile cache key), or None when unconstrained."""
+        spec = self.constraint
+        return spec.key if spec is not None else None
 
     @property
     def uses_penalties(self) -> bool:
@@ -137,10 +148,13 @@ class SamplingParams:
             raise SamplingParamError("n", "n must be <= 128")
         if any(s == "" for s in self.stop):
             raise SamplingParamError("stop", "stop strings must not be empty")
-        if self.regex is not None and self.json_schema is not None:
-            raise SamplingParamError("regex", "give at most one of regex and json_schema")
+        given = [n for n in ("regex", "json_schema", "ebnf") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise SamplingParamError(given[0], "give at most one of regex, json_schema and ebnf")
         if self.regex == "":
             raise SamplingParamError("regex", "regex must not be empty")
+        if self.ebnf is not None and not self.ebnf.strip():
+            raise SamplingParamError("ebnf", "ebnf must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise SamplingParamError("stop_token_ids", "stop_token_ids must be >= 0")
         if self.stream_interval is not None and self.stream_interval < 1:
@@ -206,6 +220,10 @@ def _coerce(name: str, value: Any) -> Any:
     if name == "regex":
         if not isinstance(value, str) or not is_valid_utf8(value):
             raise SamplingParamError(name, "regex must be a string")
+        return value
+    if name == "ebnf":
+        if not isinstance(value, str) or not is_valid_utf8(value):
+            raise SamplingParamError(name, "ebnf must be a string")
         return value
     if name == "json_schema":
         if not isinstance(value, (str, dict)):

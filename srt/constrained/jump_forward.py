@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from srt.constrained.fsm import TokenFSM
+from srt.constrained.grammar import Matcher
 
 # Longest forced string appended in one jump (longer ones continue at the next jump).
 MAX_FORCED_BYTES = 256
@@ -42,11 +43,11 @@ _UTF8_MAX_CHAR = 4
 @dataclass(frozen=True)
 class JumpPlan:
     """Replace `output_ids[keep:]` by `new_ids`; `keep_state` is the FSM state after
-    `output_ids[:keep]`. `new_ids` spells the replaced tail's bytes followed by at least one byte
+    `output_ids[:keep]` (plans over an FSM). `new_ids` spells the replaced tail's bytes followed by at least one byte
     of the forced string (a prefix of it)."""
 
     keep: int
-    keep_state: int
+    keep_state: int | None  # None for a plan_matcher plan (the matcher rolls back instead)
     new_ids: list[int]
 
 
@@ -141,6 +142,42 @@ class JumpForward:
         when there is nothing to gain. Ids before `sent_len` are never changed; the output never
         grows past `max_new_tokens` ids."""
         forced = self.forced(fsm, state)
+        tail = self._retokenize(forced, output_ids, sent_len)
+        if tail is None:
+            return None
+        keep, old_bytes, new = tail
+        s = fsm.initial_state
+        for t in output_ids[:keep]:
+            s = fsm.next_state(s, t)
+            if s is None:
+                return None
+        keep_state = s
+        for t in new:
+            s = fsm.next_state(s, t)
+            if s is None:
+                return None
+        return self._finish(keep, keep_state, new, fsm.is_dead_end(s), old_bytes,
+                            max_new_tokens)
+
+    def plan_matcher(self, matcher: Matcher, output_ids: list[int], sent_len: int,
+                     max_new_tokens: int) -> JumpPlan | None:
+        """`plan` for a request walking `matcher` (its state after `output_ids`, left
+        unchanged): the new ids are checked on a fork rolled back to `keep`."""
+        tail = self._retokenize(matcher.forced_bytes(), output_ids, sent_len)
+        if tail is None:
+            return None
+        keep, old_bytes, new = tail
+        probe = matcher.fork()
+        probe.rollback(len(output_ids) - keep)
+        for t in new:
+            if not probe.accept(t):
+                return None
+        return self._finish(keep, None, new, probe.is_dead_end(), old_bytes, max_new_tokens)
+
+    def _retokenize(self, forced: bytes, output_ids: list[int],
+                    sent_len: int) -> tuple[int, int, list[int]] | None:
+        """(keep, bytes of output_ids[keep:], ids encoding those bytes followed by the forced
+        text), or None when nothing is forced or the re-encoding does not spell them."""
         if not forced:
             return None
         n = len(output_ids)
@@ -167,20 +204,14 @@ class JumpForward:
         spelled = [self.token_bytes.get(t) for t in new]
         if any(p is None for p in spelled) or b"".join(spelled) != text.encode("utf-8"):  # type: ignore[arg-type]
             return None  # a tokenizer that normalizes, or a special token in the text
-        s = fsm.initial_state
-        for t in output_ids[:keep]:
-            s = fsm.next_state(s, t)
-            if s is None:
-                return None
-        keep_state = s
-        for t in new:
-            s = fsm.next_state(s, t)
-            if s is None:
-                return None
-        if not fsm.is_dead_end(s):
+        return keep, len(tail), new
+
+    def _finish(self, keep: int, keep_state: int | None, new: list[int], complete: bool,
+                old_bytes: int, max_new_tokens: int) -> JumpPlan | None:
+        if not complete:
             new = new[:-1]  # the model writes the last token (see the module docstring)
         new = new[: max(0, max_new_tokens - keep)]
-        if sum(len(self.token_bytes[t]) for t in new) <= len(tail):
+        if sum(len(self.token_bytes[t]) for t in new) <= old_bytes:
             return None  # no forced byte left to append
         return JumpPlan(keep, keep_state, new)
 

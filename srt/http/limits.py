@@ -39,12 +39,13 @@ class RequestLimits:
     max_stop_string_length: int
     max_regex_length: int
     max_json_schema_bytes: int
+    max_ebnf_bytes: int = 32768
 
     @classmethod
     def from_args(cls, args: Any) -> "RequestLimits":
         return cls(args.max_batch_prompts, args.max_n, args.max_top_logprobs,
                    args.max_stop_strings, args.max_stop_string_length, args.max_regex_length,
-                   args.max_json_schema_bytes)
+                   args.max_json_schema_bytes, args.max_ebnf_bytes)
 
     # ------------------------------------------------------------- shared pieces
 
@@ -88,6 +89,12 @@ class RequestLimits:
             raise _limit(name("regex", "regex"), f"regex has {len(regex)} characters; at most "
                          f"{self.max_regex_length} (--max-regex-length)")
         self._schema(p.get("json_schema"), name("json_schema", "json_schema"))
+        ebnf = p.get("ebnf")
+        if isinstance(ebnf, str):
+            size = len(ebnf.encode("utf-8", "surrogatepass"))
+            if size > self.max_ebnf_bytes:
+                raise _limit(name("ebnf", "ebnf"), f"ebnf has {size} bytes; at most "
+                             f"{self.max_ebnf_bytes} (--max-ebnf-bytes)")
         return n if _is_int(n) and n >= 1 else 1
 
     def _schema(self, schema: Any, param: str) -> None:

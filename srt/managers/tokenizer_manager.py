@@ -16,7 +16,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from srt.constrained.fsm import FSMCache, constraint_regex
+from srt.constrained.grammar import GrammarBackend
+from srt.constrained.registry import create_grammar_backend
 from srt.faults import fault_point
 from srt.managers.comm import AsyncPullSocket, PushSocket
 from srt.managers.image_processor import ImageLoader
@@ -65,7 +66,7 @@ class TokenizerManager:
         self.user_rids: set[str] = set()  # client rids of requests in flight
         self.control_waiters: dict[str, asyncio.Future] = {}
         self._loop_task: asyncio.Task | None = None
-        self.fsm_cache: FSMCache | None = None  # built at the first constrained request
+        self.grammars: GrammarBackend | None = None  # built at the first constrained request
         # Sees each sample's submission, outputs and end (metrics, request log); set by the
         # server: on_submit(rid, stream), on_output(rid, StrOut), on_done(rid).
         self.observer: Any = None
@@ -179,38 +180,37 @@ class TokenizerManager:
         self.parser.check_model(model)
 
     async def check_constraints(self, parsed: ParsedRequest) -> None:
-        """Compile every regex / JSON schema of the request once here, off the event loop, so
-        that an invalid or too costly pattern is a 400 before anything is scheduled (the model
-        processes then compile it again, in bounded time, from their own caches)."""
+        """Compile every regex / JSON schema / EBNF grammar of the request once here, off the
+        event loop, so that an invalid, unsupported or too costly constraint is a 400 naming
+        its field before anything is scheduled (the model processes then compile it again, in
+        bounded time, from their own caches)."""
         seen: set[str] = set()
         for r in parsed.reqs:
-            key = r.params.constraint_key
-            if key is None or key in seen:
+            spec = r.params.constraint
+            if spec is None or spec.key in seen:
                 continue
-            seen.add(key)
-            field_name = "regex" if r.params.regex is not None else "json_schema"
+            seen.add(spec.key)
+            field_name = spec.kind
+            if self.grammars is None:
+                self.grammars = create_grammar_backend(
+                    self.args.grammar_backend, self.tokenizer, self._eos_id(),
+                    max(self.limits.vocab_size, len(self.tokenizer)),
+                    self.args.constrained_cache_size)
+            timeout = self.args.constrained_compile_timeout
             try:
-                pattern = constraint_regex(r.params.regex, r.params.json_schema)
-            except ValueError as e:
-                raise RequestError(f"unsupported JSON schema: {e}", field_name) from None
-            if self.fsm_cache is None:
-                self.fsm_cache = FSMCache(self.tokenizer, self._eos_id(),
-                                          self.args.constrained_cache_size)
-            fut = self.fsm_cache.get(pattern)
-            try:
-                fsm = await asyncio.wait_for(asyncio.wrap_future(fut),
-                                             self.args.constrained_compile_timeout)
+                grammar = await asyncio.wait_for(
+                    asyncio.wrap_future(self.grammars.compile(spec)), timeout)
             except asyncio.TimeoutError:
-                raise RequestError(
-                    f"{field_name} took longer than {self.args.constrained_compile_timeout} s "
-                    "to compile", field_name) from None
-            except ValueError as e:
+                raise RequestError(f"{field_name} took longer than {timeout} s to compile",
+                                   field_name) from None
+            except ValueError as e:  # GrammarError, or a compiler's own ValueError
                 raise RequestError(f"invalid {field_name}: {e}", field_name) from None
-            if fsm.num_states > self.args.constrained_max_states:
+            limit = self.grammars.max_size(self.args)
+            if grammar.size > limit:
                 raise RequestError(
-                    f"{field_name} compiles to {fsm.num_states} states (at most "
-                    f"{self.args.constrained_max_states})", field_name)
-            if not fsm.index.get_allowed_tokens(fsm.initial_state):
+                    f"{field_name} compiles to {grammar.size} {self.grammars.size_unit} (at "
+                    f"most {limit})", field_name)
+            if not grammar.admits_output():
                 raise RequestError(f"{field_name} admits no output", field_name)
 
     def _eos_id(self) -> int:

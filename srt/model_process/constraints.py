@@ -1,5 +1,6 @@
-"""The constraint manager: FSM compiles for regex / JSON-schema requests, their readiness on
-every rank, and jump-forward (appending the text a pattern forces)."""
+"""The constraint manager: grammar compiles for regex / JSON-schema / EBNF requests (through
+the `--grammar-backend`), their readiness on every rank, and jump-forward (appending the text a
+grammar forces)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import Any
 
 import torch
 
-from srt.constrained.fsm import FSMCache, constraint_regex
+from srt.constrained.grammar import GrammarBackend, MaskBuilder
 from srt.constrained.jump_forward import JumpForward
+from srt.constrained.registry import create_grammar_backend
+from srt.constrained.vocab import token_bytes_map
 from srt.layers import parallel_state
 from srt.model_process.kv import KVManager
 from srt.model_process.output import OutputProcessor
@@ -25,36 +28,43 @@ JUMP_IN_BATCH = True
 
 class ConstraintManager:
     def __init__(self, args: ServerArgs, tokenizer: Any, device: torch.device, kv: KVManager,
-                 output: OutputProcessor) -> None:
+                 output: OutputProcessor, vocab_size: int) -> None:
         self.args = args
         self.tokenizer = tokenizer
         self.device = device
         self.kv = kv
         self.output = output
-        self.fsm_cache: FSMCache | None = None  # built at the first constrained request
-        self.jump: JumpForward | None = None  # with the FSM cache, unless disabled
+        self.vocab_size = vocab_size
+        self.backend: GrammarBackend | None = None  # built at the first constrained request
+        self.jump: JumpForward | None = None  # with the backend, unless disabled
         # A running request jumps only when that adds at least this many ids.
         self.jump_min_tokens = args.jump_forward_min_tokens
         self.jumps = 0
         self.jump_tokens = 0  # output ids added by jumps (net of re-tokenizing)
 
     def compile(self, params: SamplingParams) -> Future:
-        if self.fsm_cache is None:
-            eos = self.tokenizer.eos_token_id
-            self.fsm_cache = FSMCache(self.tokenizer, int(eos) if eos is not None else -1,
-                                      self.args.constrained_cache_size)
+        """A future of the request's CompiledGrammar (failed for a refused constraint: the HTTP
+        process checked it, and a failed future keeps the ranks equal)."""
+        spec = params.constraint
+        assert spec is not None
+        return self._backend().compile(spec)
+
+    def _backend(self) -> GrammarBackend:
+        if self.backend is None:
             # Without the radix cache a jump still works: a running request keeps its KV in
             # the batch, and one that jumps before its first fill has no KV to lose.
             if not self.args.disable_regex_jump_forward:
-                jump = JumpForward(self.tokenizer, self.fsm_cache.token_bytes)
+                jump = JumpForward(self.tokenizer, token_bytes_map(self.tokenizer))
                 self.jump = jump if jump.usable else None
-        try:
-            pattern = constraint_regex(params.regex, params.json_schema)
-        except ValueError as e:  # the HTTP process checked it; a failed future keeps ranks equal
-            fut: Future = Future()
-            fut.set_exception(e)
-            return fut
-        return self.fsm_cache.get(pattern)
+            eos = self.tokenizer.eos_token_id
+            self.backend = create_grammar_backend(
+                self.args.grammar_backend, self.tokenizer, int(eos) if eos is not None else -1,
+                self.vocab_size, self.args.constrained_cache_size, self.jump)
+        return self.backend
+
+    def mask_builder(self, vocab_size: int, device: torch.device) -> MaskBuilder:
+        """The backend's per-step mask builder (asked once a batch has a constrained row)."""
+        return self._backend().mask_builder(vocab_size, device)
 
     def resolve(self, waiting: list[Req]) -> list[Req]:
         """Mark waiting requests whose FSM compile finished as admissible; return those that
@@ -64,26 +74,30 @@ class ConstraintManager:
         times on different ranks; a request becomes admissible only once every rank has its FSM
         (one small all-reduce, only while compiles are pending), which keeps the schedules equal.
         """
-        pending = [r for r in waiting if r.fsm_pending]
+        pending = [r for r in waiting if r.grammar_pending]
         if not pending:
             return []
-        done = torch.tensor([int(r.fsm_future.done()) for r in pending], dtype=torch.int64,
+        done = torch.tensor([int(r.grammar_future.done()) for r in pending], dtype=torch.int64,
                             device=self.device)
         counts = parallel_state.all_reduce(done).tolist()
         ended: list[Req] = []
         for r, n in zip(pending, counts):
             if n < self.args.tp_size:
                 continue
-            err = r.fsm_future.exception()
+            err = r.grammar_future.exception()
             if err is not None:
                 r.end(FinishReason.abort(f"constraint failed: {err}"))
                 ended.append(r)
                 continue
-            r.fsm = r.fsm_future.result()
-            r.fsm_state = r.fsm.initial_state
+            r.matcher = r.grammar_future.result().matcher()
             # Replay tokens already generated (none unless the request comes back retracted).
             for tok in r.output_ids:
-                r.fsm_state = r.fsm.next_state(r.fsm_state, tok)
+                if not r.matcher.accept(tok):
+                    r.end(FinishReason.abort("token outside the pattern"))
+                    break
+            if r.finished:
+                ended.append(r)
+                continue
             # A pattern that starts with fixed text: its first fill computes that text too.
             self.jump_forward(r)
             if r.finished:  # the pattern was fixed text, or the jump hit a stop or the length
@@ -107,11 +121,11 @@ class ConstraintManager:
         have none). Every rank plans the same jump: the plan depends only on the request's ids,
         the pattern and the tokenizer. The request has no step in flight.
         """
-        if self.jump is None or req.fsm is None or req.logprob is not None:
+        if self.jump is None or req.matcher is None or req.logprob is not None:
             return False
         assert not req.in_flight
-        plan = self.jump.plan(req.fsm, req.fsm_state, req.output_ids, req.sent_len,
-                              req.sampling_params.max_new_tokens)
+        plan = self.jump.plan_matcher(req.matcher, req.output_ids, req.sent_len,
+                                      req.sampling_params.max_new_tokens)
         if plan is None:
             return False
         in_batch = False
@@ -133,7 +147,7 @@ class ConstraintManager:
                 self.kv.cache_finished(req)
         before = len(req.output_ids)
         del req.output_ids[plan.keep :]
-        req.fsm_state = plan.keep_state
+        req.matcher.rollback(before - plan.keep)
         self.output.generated -= before - plan.keep
         for tok in plan.new_ids:
             self.output.append(req, tok)

@@ -26,7 +26,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from srt.constrained.mask import ForbiddenRows, merge_forbidden
+from srt.constrained.grammar import MaskBuilder
+from srt.constrained.mask import merge_forbidden
 from srt.layers import parallel_state
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.sampler import sample
@@ -82,7 +83,9 @@ class InFlight:
 
 class StepExecutor:
     def __init__(self, runner: ModelRunner, vocab_size: int,
-                 stop_ids: Callable[[Req], set[int]], timer: StepTimer) -> None:
+                 stop_ids: Callable[[Req], set[int]], timer: StepTimer,
+                 grammar_masks: Callable[[int, torch.device], MaskBuilder]) -> None:
+        """`grammar_masks(vocab_size, device)`: the grammar backend's mask builder."""
         self.runner = runner
         self.device = runner.device
         self.vocab_size = vocab_size
@@ -92,7 +95,8 @@ class StepExecutor:
         self.inputs = StepInputBuilder(self.device)
         self.last_ids = torch.zeros(self.req_pool.size, dtype=torch.int64, device=self.device)
         self.sampling_rows: SamplingRows | None = None  # the last batch's, reused while equal
-        self.mask_rows: ForbiddenRows | None = None  # device mask rows per (FSM, state)
+        self.grammar_masks = grammar_masks
+        self.masks: MaskBuilder | None = None  # built at the first batch with a grammar
         self._timed = self.device.type == "cuda"
         self._last_end: torch.cuda.Event | None = None
 
@@ -158,11 +162,11 @@ class StepExecutor:
         # the device runs the forward (every copy in them is non-blocking).
         info, self.sampling_rows = build_sampling_info(
             reqs, self.vocab_size, dev, self.stop_ids, self.sampling_rows)
-        if any(r.fsm is not None for r in reqs):
-            fsm_rows = [(r.fsm, r.fsm_state) if r.fsm is not None else None for r in reqs]
-            if self.mask_rows is None:
-                self.mask_rows = ForbiddenRows(logits.shape[-1], dev)
-            info.forbidden = merge_forbidden(info.forbidden, self.mask_rows.batch(fsm_rows))
+        if any(r.matcher is not None for r in reqs):
+            if self.masks is None:
+                self.masks = self.grammar_masks(logits.shape[-1], dev)
+            info.forbidden = merge_forbidden(info.forbidden,
+                                             self.masks.batch([r.matcher for r in reqs]))
         self.timer.mark("sample_prep")
         ids = sample(logits, info, self.runner.sampler_generator)
         # Rank 0 samples for all: ranks hold bitwise-equal logits and generators, but one

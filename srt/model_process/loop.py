@@ -83,10 +83,10 @@ class ModelProcess:
             eos_ids.add(int(self.tokenizer.eos_token_id))
         self.output = OutputProcessor(self.tokenizer, eos_ids, args.stream_interval)
         self.counters = Counters()
-        self.executor = StepExecutor(self.runner, self.config.vocab_size, self.output.stop_ids,
-                                     self.counters.timer)
         self.constraints = ConstraintManager(args, self.tokenizer, self.runner.device, self.kv,
-                                             self.output)
+                                             self.output, self.config.vocab_size)
+        self.executor = StepExecutor(self.runner, self.config.vocab_size, self.output.stop_ids,
+                                     self.counters.timer, self.constraints.mask_builder)
         self.heap = HeapTrimmer()  # the process loop trims when idle and every 30 s of work
         # On a GPU the first fills compile kernels; on the CPU there is nothing to warm up.
         if not args.skip_warmup and self.runner.device.type == "cuda":
@@ -139,8 +139,8 @@ class ModelProcess:
                     self._flush(outs)
                 if not self.batch or self._decode_step(outs):
                     break  # done, or a request jumped forward: extend it in the next round
-        elif self.waiting and all(r.fsm_pending for r in self.waiting):
-            time.sleep(0.001)  # only FSM compiles pending: do not spin the router at full speed
+        elif self.waiting and all(r.grammar_pending for r in self.waiting):
+            time.sleep(0.001)  # only grammar compiles pending: do not spin the router at full speed
         if self.inflight is not None and not self.batch:
             self._resolve(outs)  # every request of it finished meanwhile
         maybe_log(self)
@@ -156,8 +156,8 @@ class ModelProcess:
     def _add_request(self, r: TokenizedGenerateReq) -> None:
         self.arrivals += 1
         req = new_req(r, self.arrivals, self.config)
-        if req.sampling_params.constraint_key is not None:
-            req.fsm_future = self.constraints.compile(req.sampling_params)
+        if req.sampling_params.constraint is not None:
+            req.grammar_future = self.constraints.compile(req.sampling_params)
         self.waiting.append(req)
 
     def _abort(self, a: AbortReq, outs: list[TokenOut]) -> None:
@@ -224,8 +224,8 @@ class ModelProcess:
 
     def _chainable(self) -> bool:
         """Every running request can be launched before the host has its previous token: no
-        FSM mask and no penalties (both read the output so far), no pending jump."""
-        return not any(r.fsm is not None or r.kv_valid is not None
+        grammar mask and no penalties (both read the output so far), no pending jump."""
+        return not any(r.matcher is not None or r.kv_valid is not None
                        or r.sampling_params.uses_penalties for r in self.running)
 
     def _decode_step(self, outs: list[TokenOut]) -> bool:

@@ -25,22 +25,21 @@ class OutputProcessor:
         return ids
 
     def append(self, req: Req, tok: int, logprob: TokenLogprobs | None = None) -> None:
-        """Append one output id and finish the request if it ends here: the FSM (its EOS, a
+        """Append one output id and finish the request if it ends here: the grammar (its EOS, a
         token outside it, a completed pattern), stop ids, stop strings / regexes, the length."""
         req.output_ids.append(tok)
         if logprob is not None:
             req.output_logprobs.extend(logprob)
         self.generated += 1
         p = req.sampling_params
-        if req.fsm is not None:
-            if tok == req.fsm.eos_token_id:
+        if req.matcher is not None:
+            if req.matcher.is_stop_token(tok):
                 req.end(FinishReason.stop(tok))
                 return
-            state = req.fsm.next_state(req.fsm_state, tok)
-            if state is None:  # cannot happen under the mask; never continue off the pattern
+            if not req.matcher.accept(tok):
+                # cannot happen under the mask; never continue off the pattern
                 req.end(FinishReason.abort("token outside the pattern"))
                 return
-            req.fsm_state = state
         if len(req.output_ids) >= p.min_new_tokens:
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
                 req.end(FinishReason.stop(tok))
@@ -59,7 +58,7 @@ class OutputProcessor:
                     return
         if len(req.output_ids) >= p.max_new_tokens:
             req.end(FinishReason.of_length(len(req.output_ids)))
-        elif req.fsm is not None and req.fsm.is_dead_end(req.fsm_state):
+        elif req.matcher is not None and req.matcher.is_dead_end():
             # The pattern is complete and nothing may follow: done without sampling EOS.
             req.end(FinishReason.stop(None))
 

@@ -249,8 +249,8 @@ def select_fill(waiting: list[Any], running: list[Any], kv: Any, args: Any, rng:
     groups: set[str] = {r.group for r in chunked if r.group is not None}
     shared = InRoundPrefixes()
     for r in queue:
-        if r.fsm_pending:
-            continue  # its FSM is still compiling
+        if r.grammar_pending:
+            continue  # its grammar is still compiling
         if r.group is not None and r.group in groups and not r.prefilling:
             continue
         sharing = not tree.disable and not r.wants_prompt_logprobs

@@ -13,7 +13,7 @@ from srt.managers.io_struct import LogprobOptions, TokenLogprobs
 from srt.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from srt.constrained.fsm import TokenFSM
+    from srt.constrained.grammar import Matcher
     from srt.model_process.image_pads import ReqImage
     from srt.model_process.radix_cache import TreeNode
 
@@ -102,11 +102,10 @@ class Req:
     prompt_logprobs_done: bool = False
     input_logprobs: TokenLogprobs | None = None  # computed, not sent yet
     output_logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)
-    # Constrained decoding: the FSM compile in flight (set while waiting for it), then the shared
-    # compiled FSM and this request's state in it (advanced by every appended output token).
-    fsm_future: Future | None = None
-    fsm: TokenFSM | None = None
-    fsm_state: int = 0
+    # Constrained decoding: the grammar compile in flight (set while waiting for it), then this
+    # request's matcher over the shared compiled grammar (advanced by every appended token).
+    grammar_future: Future | None = None
+    matcher: Matcher | None = None
     # The prompt's image (srt.model_process.image_pads.ReqImage): origin_input_ids hold its
     # pad ids; kept until the request finishes (a retracted request may need it again).
     image: ReqImage | None = None
@@ -118,9 +117,9 @@ class Req:
     in_flight: int = 0  # launched steps not resolved yet (2 for a moment while chaining)
 
     @property
-    def fsm_pending(self) -> bool:
-        """Constrained, and its FSM not agreed ready yet: not admitted."""
-        return self.fsm_future is not None and self.fsm is None
+    def grammar_pending(self) -> bool:
+        """Constrained, and its grammar not agreed ready yet: not admitted."""
+        return self.grammar_future is not None and self.matcher is None
 
     @property
     def fill_ids(self) -> list[int]:

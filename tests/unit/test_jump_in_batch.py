@@ -78,7 +78,10 @@ def results(smollm2_dir: str, smollm2_tokenizer: Any) -> dict[str, Any]:
         for name, in_batch in (("batch", True), ("queue", False)):
             mp.setattr(constraints, "JUMP_IN_BATCH", in_batch)
             # The plain loop: the hook retracts between rounds, which needs no step in flight.
-            server = cpu_model_server(smollm2_dir, disable_overlap_schedule=True)
+            # outlines-core: the retraction scenario below (which request has jumped when the
+            # hook runs) was worked out on its outputs and compile timing.
+            server = cpu_model_server(smollm2_dir, disable_overlap_schedule=True,
+                                      grammar_backend="outlines")
             retracted: list[str] = []
             res = _serve(server, _requests(smollm2_tokenizer),
                          after_step=lambda s: _retract_one_jumped(s, retracted))

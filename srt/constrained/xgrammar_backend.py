@@ -1,0 +1,172 @@
+"""The xgrammar grammar backend: regexes, JSON schemas and EBNF grammars (xgrammar's GBNF-like
+syntax, root rule `root`), per-step masks as packed bitmasks unpacked on the device.
+
+Compiles run on one background thread: xgrammar releases the GIL while it compiles (measured:
+the thread that drives decoding keeps its 1 ms ticks through a 1.5 s compile), so unlike
+outlines-core it needs no worker process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from srt.constrained.bitmask import BitmaskMasks, BitmaskMatcher
+from srt.constrained.cache import LRUFutures
+from srt.constrained.grammar import (
+    CompiledGrammar,
+    ConstraintSpec,
+    GrammarBackend,
+    GrammarError,
+    MaskBuilder,
+    next_serial,
+)
+from srt.constrained.schema_support import XGRAMMAR, exact_formats
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _lower_priority() -> None:
+    # Compiling is background work: on a machine with few cores it must not take CPU time from
+    # the thread serving running requests (Linux niceness is per thread).
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 4)
+    except (OSError, AttributeError):
+        pass
+
+
+class XGrammarMatcher(BitmaskMatcher):
+    def __init__(self, grammar: "XGrammar", inner: Any) -> None:
+        self.grammar = grammar
+        self.inner = inner  # xgrammar.GrammarMatcher
+        self._dead_end_at: int | None = None  # accepted count when is_dead_end was True
+        self.accepted = 0
+
+    def is_stop_token(self, token: int) -> bool:
+        return token in self.grammar.stop_ids
+
+    def accept(self, token: int) -> bool:
+        if token in self.grammar.stop_ids or not self.inner.accept_token(token):
+            return False
+        self.accepted += 1
+        return True
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.inner.rollback(n)
+            self.accepted -= n
+            self._dead_end_at = None
+
+    def fork(self) -> "XGrammarMatcher":
+        m = XGrammarMatcher(self.grammar, self.inner.fork())
+        m.accepted = self.accepted
+        return m
+
+    def is_dead_end(self) -> bool:
+        if not self.inner.is_completed():
+            return False
+        if self._dead_end_at == self.accepted:
+            return True
+        import torch
+
+        row = self.grammar.scratch_mask()
+        self.inner.fill_next_token_bitmask(row)
+        allowed = row.view(-1)
+        # Only stop tokens may follow: every word but theirs is zero.
+        stops = torch.zeros_like(allowed)
+        for t in self.grammar.stop_ids:
+            stops[t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
+        dead = bool(torch.equal(allowed, allowed & stops))
+        if dead:
+            self._dead_end_at = self.accepted
+        return dead
+
+    def fill_bitmask(self, bitmask: "torch.Tensor", row: int) -> None:
+        self.inner.fill_next_token_bitmask(bitmask, row)
+
+    def forced_bytes(self) -> bytes:
+        if self.inner.is_completed():  # the output may end here: nothing is forced
+            return b""
+        return self.inner.find_jump_forward_string().encode("utf-8")
+
+
+class XGrammar(CompiledGrammar):
+    def __init__(self, compiled: Any, stop_ids: frozenset[int], vocab_size: int) -> None:
+        self.compiled = compiled
+        self.stop_ids = stop_ids
+        self.vocab_size = vocab_size
+        self.serial = next_serial()
+        self.size = int(compiled.memory_size_bytes)
+        self._scratch: Any = None
+
+    def scratch_mask(self) -> "torch.Tensor":
+        """A [1, words] bitmask for one-off checks (used by one thread at a time)."""
+        import xgrammar as xgr
+
+        if self._scratch is None:
+            self._scratch = xgr.allocate_token_bitmask(1, self.vocab_size)
+        return self._scratch
+
+    def matcher(self) -> XGrammarMatcher:
+        import xgrammar as xgr
+
+        return XGrammarMatcher(self, xgr.GrammarMatcher(self.compiled))
+
+    def admits_output(self) -> bool:
+        row = self.scratch_mask()
+        self.matcher().inner.fill_next_token_bitmask(row)
+        return bool(row.any())
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+    size_unit = "bytes"
+
+    def __init__(self, tokenizer: Any, eos_token_id: int, vocab_size: int,
+                 cache_size: int) -> None:
+        import xgrammar as xgr
+
+        stops = [eos_token_id] if 0 <= eos_token_id < vocab_size else []
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=stops)
+        self.stop_ids = frozenset(self.info.stop_token_ids)
+        self.vocab_size = vocab_size
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.cache = LRUFutures(cache_size)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="xgrammar-compile",
+                                        initializer=_lower_priority)
+
+    def compile(self, spec: ConstraintSpec) -> Future:
+        return self.cache.compile(spec, XGRAMMAR, self._pool, self._compile)
+
+    def _compile(self, spec: ConstraintSpec) -> XGrammar:
+        try:
+            if spec.kind == "regex":
+                compiled = self.compiler.compile_regex(spec.text)
+            elif spec.kind == "json_schema":
+                # Compact separators and the schema's key order: what clients parse back.
+                compiled = self.compiler.compile_json_schema(
+                    exact_formats(spec.text), any_whitespace=False, separators=(",", ":"),
+                    strict_mode=True)
+            else:
+                compiled = self.compiler.compile_grammar(spec.text)
+        except (RuntimeError, ValueError) as e:  # xgrammar reports bad input as RuntimeError
+            raise GrammarError(_short(e)) from None
+        return XGrammar(compiled, self.stop_ids, self.vocab_size)
+
+    def mask_builder(self, vocab_size: int, device: "torch.device") -> MaskBuilder:
+        return BitmaskMasks(vocab_size, device)
+
+    def max_size(self, args: object) -> int:
+        return int(getattr(args, "constrained_max_grammar_bytes"))
+
+
+def _short(e: BaseException) -> str:
+    """xgrammar's message without its C++ source location prefix."""
+    text = str(e).strip()
+    if text.startswith("[") and ": " in text:
+        text = text.split(": ", 1)[1] if "/" in text.split(": ", 1)[0] else text
+    return text[:500]
