@@ -7,7 +7,8 @@ allow-list before it is compiled, so anything else is a 400 naming the keyword r
 that silently violates the schema.
 
 `exact_formats` replaces `format: date` / `date-time` by patterns that also check the day of the
-month (xgrammar's own format grammar admits 2024-02-30, which no date parser accepts).
+month (xgrammar's own format grammar admits 2024-02-30, which no date parser accepts), and
+`email` by one with RFC 5321's length limits.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class SchemaSupport:
     keywords: frozenset[str]
     formats: frozenset[str]
     integer_multiple_of_only: bool = False  # multipleOf enforced for integer types only
+    # Keywords ignored on a string that also has a `format` (xgrammar's format grammar wins:
+    # an email with maxLength 24 came out hundreds of characters long).
+    not_with_format: frozenset[str] = frozenset()
 
     def check(self, schema: Any, path: str = "$") -> None:
         """Raise ValueError naming the first keyword of `schema` that would not be enforced."""
@@ -47,9 +51,12 @@ class SchemaSupport:
             if key not in self.keywords and key not in ANNOTATIONS:
                 raise ValueError(f"the keyword {key!r} at {path} is not supported (it would "
                                  "not be enforced)")
-            if key == "format" and value not in self.formats:
+            if key == "format" and (not isinstance(value, str) or value not in self.formats):
                 raise ValueError(f"the keyword 'format' at {path} has the value {value!r}, "
                                  "which is not supported (it would not be enforced)")
+            if key in self.not_with_format and "format" in schema:
+                raise ValueError(f"the keyword {key!r} at {path} is not supported together "
+                                 "with 'format' (it would not be enforced)")
             if key == "multipleOf" and self.integer_multiple_of_only and not (
                     schema.get("type") == "integer" and isinstance(value, int)
                     and not isinstance(value, bool)):
@@ -77,6 +84,7 @@ XGRAMMAR = SchemaSupport(
                        "ipv6", "uri", "uri-reference", "uuid", "uri-template", "json-pointer",
                        "relative-json-pointer"}),
     integer_multiple_of_only=True,
+    not_with_format=frozenset({"minLength", "maxLength", "pattern"}),
 )
 # llguidance refuses unknown keywords and formats itself; the list is the same check up front.
 LLGUIDANCE = SchemaSupport(
@@ -92,12 +100,16 @@ _MONTH_DAY = ("((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[1
 DATE_PATTERN = f"({_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
 _TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 DATE_TIME_PATTERN = f"{DATE_PATTERN}T{_TIME}"
-_EXACT = {"date": DATE_PATTERN, "date-time": DATE_TIME_PATTERN}
+# RFC 5321's length limits (local part 64, a label 63): xgrammar's email grammar has none, and
+# at temperature 1 a model can write one local part past any max_new_tokens.
+EMAIL_PATTERN = "[A-Za-z0-9._%+-]{1,64}@([A-Za-z0-9-]{1,63}[.]){1,3}[A-Za-z]{2,24}"
+_EXACT = {"date": DATE_PATTERN, "date-time": DATE_TIME_PATTERN, "email": EMAIL_PATTERN}
 
 
 def exact_formats(schema_json: str) -> str:
-    """The schema with `format: date` / `date-time` (on strings without a pattern of their own)
-    replaced by an anchored pattern that admits only real calendar dates."""
+    """The schema with `format: date` / `date-time` / `email` (on strings without a pattern of
+    their own) replaced by an anchored pattern that admits only real calendar dates / emails
+    within RFC 5321's lengths."""
     def walk(node: Any) -> Any:
         if isinstance(node, list):
             return [walk(x) for x in node]

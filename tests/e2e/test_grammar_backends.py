@@ -51,7 +51,7 @@ class Event(BaseModel):
 
 
 class Contact(BaseModel):
-    email: Annotated[str, Field(json_schema_extra={"format": "email"}, max_length=24)]
+    email: Annotated[str, Field(json_schema_extra={"format": "email"})]
     phone: str = Field(pattern=r"^\+[0-9]{6,10}$")
 
 
@@ -173,6 +173,7 @@ def test_pydantic_schemas_at_temperature_one(srv: ServerProcess) -> None:
     ({"type": "object", "properties": {"a": {"allOf": [{"type": "integer"}]}}}, "allOf"),
     ({"if": {"type": "integer"}, "then": {"minimum": 1}}, "if"),
     ({"type": "string", "contentEncoding": "base64"}, "contentEncoding"),
+    ({"type": "string", "format": "email", "maxLength": 24}, "maxLength"),
 ])
 def test_unenforced_keywords_are_400s(srv: ServerProcess, schema: dict[str, Any],
                                       keyword: str) -> None:
