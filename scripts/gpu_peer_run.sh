@@ -14,16 +14,20 @@
 #   TAG=a           suffix of the result files (runs A and B of one sitting)
 # Wheels srt needs that the machine lacks travel in .whl (installed to /tmp/site): for Python
 # 3.12, pyzmq, and for the HTTP stages fastapi 0.136.3 (newer ones import opentelemetry),
-# starlette 1.3.1, uvicorn, pydantic, pydantic-core, annotated-types, typing-inspection.
+# starlette 1.3.1, uvicorn, pydantic, pydantic-core, annotated-types, typing-inspection; and in
+# .whlfi, when carried, flashinfer-python 0.6.1 and apache-tvm-ffi 0.1.15.post2 (then `auto`
+# attention computes EXTEND steps with FlashInfer).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/latest}
 TAG=${TAG:-a}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
+wheels=$(ls .whl/*.whl .whlfi/*.whl 2>/dev/null)  # .whlfi: flashinfer-python, apache-tvm-ffi
+if [ -n "$wheels" ]; then
+  # shellcheck disable=SC2086
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+    --target /tmp/site $wheels || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD
 if [ -n "${PART:-}" ]; then

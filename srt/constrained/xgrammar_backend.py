@@ -23,6 +23,7 @@ from srt.constrained.grammar import (
     MaskBuilder,
     next_serial,
 )
+from srt.constrained.productive import unproductive_rules
 from srt.constrained.schema_support import XGRAMMAR, exact_formats
 
 if TYPE_CHECKING:
@@ -143,17 +144,31 @@ class XGrammarBackend(GrammarBackend):
         return self.cache.compile(spec, XGRAMMAR, self._pool, self._compile)
 
     def _compile(self, spec: ConstraintSpec) -> XGrammar:
+        import xgrammar as xgr
+
         try:
             if spec.kind == "regex":
-                compiled = self.compiler.compile_regex(spec.text)
+                grammar = xgr.Grammar.from_regex(spec.text)
             elif spec.kind == "json_schema":
                 # Compact separators and the schema's key order: what clients parse back.
-                compiled = self.compiler.compile_json_schema(
+                grammar = xgr.Grammar.from_json_schema(
                     exact_formats(spec.text), any_whitespace=False, separators=(",", ":"),
                     strict_mode=True)
             else:
-                compiled = self.compiler.compile_grammar(spec.text)
+                grammar = xgr.Grammar.from_ebnf(spec.text)
         except (RuntimeError, ValueError) as e:  # xgrammar reports bad input as RuntimeError
+            raise GrammarError(_short(e)) from None
+        try:
+            endless = unproductive_rules(str(grammar))
+        except ValueError as e:  # a normalized form this reader does not know: refuse, safely
+            raise GrammarError(f"cannot check the grammar: {e}") from None
+        if endless:
+            # xgrammar compiles these, but its jump-forward search then never returns
+            raise GrammarError(f"the grammar admits no finite output (rule {endless[0]!r} "
+                               "never ends)")
+        try:
+            compiled = self.compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError) as e:
             raise GrammarError(_short(e)) from None
         return XGrammar(compiled, self.stop_ids, self.vocab_size)
 

@@ -1,0 +1,60 @@
+"""Grammars that can never finish are found before compiling (xgrammar's jump-forward search
+would follow their forced path forever)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from srt.constrained.productive import unproductive_rules
+
+xgr = pytest.importorskip("xgrammar")
+
+
+def ebnf(text: str) -> list[str]:
+    return unproductive_rules(str(xgr.Grammar.from_ebnf(text)))
+
+
+def schema(s: dict) -> list[str]:
+    return unproductive_rules(str(xgr.Grammar.from_json_schema(json.dumps(s))))
+
+
+@pytest.mark.parametrize("text,endless", [
+    ('root ::= "(" root ")"', ["root"]),
+    ('root ::= "a" x\nx ::= root', ["root", "x"]),
+    ('root ::= "a" | "b" x\nx ::= "c" x', ["x"]),  # root can end, but not once in x
+    ('root ::= x+\nx ::= "a" x', ["root", "x"]),
+    ('root ::= x{2,3}\nx ::= "(" x ")"', ["root", "x"]),
+    ('root ::= "(" root ")" | "x"', []),
+    ('root ::= x* "a"\nx ::= "(" x ")"', ["x"]),  # root ends at once, x is reachable
+    ('root ::= "a" [b-z]+ (y | "q")?\ny ::= [^\\n]{0,4}', []),
+    ('root ::= "a"\nunused ::= unused "b"', []),  # unreachable rules do not matter
+])
+def test_ebnf(text: str, endless: list[str]) -> None:
+    # xgrammar adds helper rules (root_1, ...) for x+ and x{m,n}: only the named ones compared
+    assert [r for r in ebnf(text) if r in ("root", "x", "y", "unused")] == endless
+
+
+def test_json_schemas() -> None:
+    recursive = {"type": "object", "properties": {"a": {"$ref": "#"}}}
+    assert schema(recursive) == []
+    assert schema({**recursive, "required": ["a"]}) != []
+    assert schema({"type": "array", "items": {"$ref": "#"}, "minItems": 1}) != []
+    assert schema({"type": "array", "items": {"$ref": "#"}}) == []
+    # the built-in JSON rules (strings with escapes, numbers, lookaheads) all read and end
+    assert schema({"type": "object", "properties": {
+        "s": {"type": "string", "pattern": "^[a-z]{2,5}$"}, "n": {"type": "number"},
+        "e": {"enum": ["x\\\"y", 1, None]}, "any": {}}}) == []
+
+
+def test_regexes_always_end() -> None:
+    for r in ["a{3}(b|c)+", "[a-z]*", "(ab|c?)d{2,}", "\\d+\\.\\d*"]:
+        assert unproductive_rules(str(xgr.Grammar.from_regex(r))) == []
+
+
+def test_unreadable_text_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        unproductive_rules("root ::= ( \"a\"")
+    with pytest.raises(ValueError):
+        unproductive_rules('x ::= "a"')
