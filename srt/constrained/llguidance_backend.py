@@ -21,7 +21,7 @@ from srt.constrained.grammar import (
     MaskBuilder,
     next_serial,
 )
-from srt.constrained.schema_support import LLGUIDANCE, exact_formats
+from srt.constrained.schema_support import LLGUIDANCE, closed_objects, exact_formats
 
 if TYPE_CHECKING:
     import torch
@@ -124,7 +124,7 @@ class LLGuidanceBackend(GrammarBackend):
                 grammar = llguidance.LLMatcher.grammar_from_regex(spec.text)
             elif spec.kind == "json_schema":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                    exact_formats(spec.text), defaults=_JSON_DEFAULTS)
+                    closed_objects(exact_formats(spec.text)), defaults=_JSON_DEFAULTS)
             else:
                 grammar = llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.text))
         except Exception as e:  # the translators raise assorted types for bad input

@@ -123,3 +123,29 @@ def exact_formats(schema_json: str) -> str:
         return out
 
     return json.dumps(walk(json.loads(schema_json)), separators=(",", ":"))
+
+
+def closed_objects(schema_json: str) -> str:
+    """The schema with `additionalProperties: false` on every object schema that lists
+    `properties` or `patternProperties` and says nothing of other keys: the behaviour of
+    xgrammar's strict mode and outlines-core, so that every backend writes only the listed keys
+    (JSON Schema's own default would let llguidance add keys of its choosing)."""
+    def schema(node: Any) -> Any:
+        if isinstance(node, list):
+            return [schema(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            if key in _DATA_KEYWORDS:
+                out[key] = value
+            elif key in _NAME_MAPS and isinstance(value, dict):
+                out[key] = {name: schema(sub) for name, sub in value.items()}
+            else:
+                out[key] = schema(value)
+        if ("properties" in out or "patternProperties" in out) \
+                and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+
+    return json.dumps(schema(json.loads(schema_json)), separators=(",", ":"))

@@ -1,5 +1,6 @@
-"""Grammars that can never finish are found before compiling (xgrammar's jump-forward search
-would follow their forced path forever)."""
+"""Checks and rewrites of constraints before they are compiled: grammars that can never finish
+are found (xgrammar's jump-forward search would follow their forced path forever), and object
+schemas are closed for every backend alike."""
 
 from __future__ import annotations
 
@@ -58,3 +59,23 @@ def test_unreadable_text_is_a_value_error() -> None:
         unproductive_rules("root ::= ( \"a\"")
     with pytest.raises(ValueError):
         unproductive_rules('x ::= "a"')
+
+
+def test_closed_objects_leave_names_and_data_alone() -> None:
+    import json as _json
+
+    from srt.constrained.schema_support import closed_objects
+
+    schema = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        "e": {"enum": [{"properties": 1}]}},
+        "$defs": {"d": {"properties": {"y": {}}}}}
+    out = _json.loads(closed_objects(_json.dumps(schema)))
+    assert out["additionalProperties"] is False
+    props = out["properties"]
+    assert set(props) == {"properties", "open", "e"}  # a property named "properties" stays one
+    assert props["properties"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert props["e"] == {"enum": [{"properties": 1}]}  # data is not a schema
+    assert out["$defs"]["d"]["additionalProperties"] is False
