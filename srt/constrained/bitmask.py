@@ -18,6 +18,14 @@ class BitmaskMatcher(Matcher):
     def fill_bitmask(self, bitmask: "torch.Tensor", row: int) -> None:
         """Write row `row` of the int32 [bs, ceil(vocab / 32)] host tensor `bitmask`."""
 
+    @classmethod
+    def fill_bitmasks(cls, matchers: list["BitmaskMatcher"], bitmask: "torch.Tensor",
+                      rows: list[int]) -> None:
+        """Rows `rows` of `bitmask` for `matchers` (all of this class) at once; a backend with
+        a batched fill overrides this (the default fills one row after the other)."""
+        for m, row in zip(matchers, rows):
+            m.fill_bitmask(bitmask, row)
+
 
 class BitmaskMasks(MaskBuilder):
     """Packed int32 bitmasks (bit 1 = allowed) filled on the host into a reused (pinned on a
@@ -48,12 +56,17 @@ class BitmaskMasks(MaskBuilder):
 
     def batch(self, matchers: list[Matcher | None]) -> "torch.Tensor":
         buf = self._buffer(len(matchers))
+        groups: dict[type, tuple[list[BitmaskMatcher], list[int]]] = {}
         for i, m in enumerate(matchers):
             if m is None:
                 buf[i].fill_(-1)  # every bit set: nothing forbidden
             else:
                 assert isinstance(m, BitmaskMatcher)
-                m.fill_bitmask(buf, i)
+                ms, rows = groups.setdefault(type(m), ([], []))
+                ms.append(m)
+                rows.append(i)
+        for cls, (ms, rows) in groups.items():
+            cls.fill_bitmasks(ms, buf, rows)
         packed = buf.to(self.device, non_blocking=True)
         bits = (packed.unsqueeze(-1) >> self.shifts) & 1
         return bits.view(len(matchers), -1)[:, : self.vocab_size] == 0

@@ -88,6 +88,24 @@ class XGrammarMatcher(BitmaskMatcher):
     def fill_bitmask(self, bitmask: "torch.Tensor", row: int) -> None:
         self.inner.fill_next_token_bitmask(bitmask, row)
 
+    # xgrammar's batched fill runs the rows on its own threads (one pool per process); below
+    # this many rows the hand-off costs more than it saves.
+    BATCH_FILL_MIN_ROWS = 4
+    _batch: Any = None
+
+    @classmethod
+    def fill_bitmasks(cls, matchers: list[BitmaskMatcher], bitmask: "torch.Tensor",
+                      rows: list[int]) -> None:
+        if len(matchers) < cls.BATCH_FILL_MIN_ROWS:
+            super().fill_bitmasks(matchers, bitmask, rows)
+            return
+        if cls._batch is None:
+            import xgrammar as xgr
+
+            cls._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+        cls._batch.batch_fill_next_token_bitmask(
+            [m.inner for m in matchers], bitmask, rows)  # type: ignore[attr-defined]
+
     def forced_bytes(self) -> bytes:
         if self.inner.is_completed():  # the output may end here: nothing is forced
             return b""

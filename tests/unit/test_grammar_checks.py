@@ -79,3 +79,31 @@ def test_closed_objects_leave_names_and_data_alone() -> None:
     assert props["open"]["additionalProperties"] is True
     assert props["e"] == {"enum": [{"properties": 1}]}  # data is not a schema
     assert out["$defs"]["d"]["additionalProperties"] is False
+
+
+def test_xgrammar_batched_mask_fill_equals_row_by_row(smollm2_tokenizer) -> None:
+    import torch
+
+    from srt.constrained.grammar import ConstraintSpec
+    from srt.constrained.registry import create_grammar_backend
+    from srt.constrained.xgrammar_backend import XGrammarMatcher
+
+    tok = smollm2_tokenizer
+    be = create_grammar_backend("xgrammar", tok, tok.eos_token_id, len(tok), 8)
+    regex = be.compile(ConstraintSpec("regex", "[a-z ,.]+")).result()
+    obj = be.compile(ConstraintSpec("json_schema", json.dumps(
+        {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}))).result()
+    matchers = [regex.matcher() if i % 3 else obj.matcher() for i in range(9)] + [None]
+    for m in matchers[1:9:3]:
+        assert m.accept(tok.encode("hello")[0])
+    masks = be.mask_builder(len(tok), torch.device("cpu"))
+    batched = masks.batch(matchers).clone()
+    saved = XGrammarMatcher.BATCH_FILL_MIN_ROWS
+    XGrammarMatcher.BATCH_FILL_MIN_ROWS = 10**9
+    try:
+        one_by_one = masks.batch(matchers).clone()
+    finally:
+        XGrammarMatcher.BATCH_FILL_MIN_ROWS = saved
+    assert torch.equal(batched, one_by_one)
+    assert not batched[-1].any()  # the unconstrained row forbids nothing
+    assert batched[0].sum() != batched[1].sum()  # the rows differ by grammar and state
