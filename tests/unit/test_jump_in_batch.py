@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 import srt.model_process.constraints as constraints
+import srt.model_process.loop as loop_module
 from srt.managers.io_struct import LogprobOptions, TokenizedGenerateReq
 from srt.model_process.loop import ModelProcess
 from tests.e2e.test_jump_forward import LONG_KEYS
@@ -78,10 +79,11 @@ def results(smollm2_dir: str, smollm2_tokenizer: Any) -> dict[str, Any]:
         for name, in_batch in (("batch", True), ("queue", False)):
             mp.setattr(constraints, "JUMP_IN_BATCH", in_batch)
             # The plain loop: the hook retracts between rounds, which needs no step in flight.
-            # outlines-core: the retraction scenario below (which request has jumped when the
-            # hook runs) was worked out on its outputs and compile timing.
-            server = cpu_model_server(smollm2_dir, disable_overlap_schedule=True,
-                                      grammar_backend="outlines")
+            # One decode step per round, so the hook sees every in-batch jump before the step
+            # that computes its new ids (with several, a jump inside a round is extended within
+            # it and the hook may never see one).
+            mp.setattr(loop_module, "DECODE_STEPS_PER_ROUND", 1)
+            server = cpu_model_server(smollm2_dir, disable_overlap_schedule=True)
             retracted: list[str] = []
             res = _serve(server, _requests(smollm2_tokenizer),
                          after_step=lambda s: _retract_one_jumped(s, retracted))
@@ -102,7 +104,7 @@ def test_same_ids_as_jumps_through_the_queue(results: dict[str, Any]) -> None:
 
 def test_outputs_valid_and_jumps_taken(results: dict[str, Any], smollm2_tokenizer: Any) -> None:
     res, stats, free, retracted = results["batch"]
-    assert retracted == ["schema"]
+    assert len(retracted) == 1 and retracted[0] in ("schema", "regex0", "regex1"), retracted
     text = {rid: smollm2_tokenizer.decode(v[0]) for rid, v in res.items()}
     jsonschema.validate(json.loads(text["schema"]), LONG_KEYS)
     assert re.fullmatch(REGEXES[0], text["regex0"]), text["regex0"]
