@@ -1,8 +1,9 @@
 """The default grammar backend (xgrammar) through the real server: pydantic-generated schemas at
 temperature 1 (every output validates, with format checking, parses back into its model and has
 its keys in schema order), an EBNF grammar, unsupported keywords refused by name, and a fuzz of
-bad constraints that may only give 200s or 400s naming the field. llguidance and outlines-core
-get the fuzz in-process (their compiles), which is what a bad grammar could break.
+bad constraints that may only give 200s or 400s naming the field. llguidance serves the same
+models (one seed) and the EBNF grammar too; it and outlines-core get the fuzz in-process (their
+compiles), which is what a bad grammar could break.
 
 The server's compile timeout is 1 s: the schemas here compile in milliseconds, and the
 pathological pattern (about 1.5 s on an idle core) must be a 400 within the bound.
@@ -151,8 +152,31 @@ def _property_order(schema: dict[str, Any], value: Any) -> None:
     walk(schema, value)
 
 
+@pytest.fixture(scope="module")
+def llg_srv(smollm2_dir: str) -> Any:
+    s = ServerProcess([*BASE_ARGS, "--max-total-tokens", "16384", "--grammar-backend",
+                       "llguidance"]).start()
+    yield s
+    s.stop()
+
+
 def test_pydantic_schemas_at_temperature_one(srv: ServerProcess) -> None:
-    cases = [(m, seed) for m in MODELS for seed in SEEDS]
+    _check_pydantic_schemas(srv, SEEDS)
+
+
+def test_llguidance_through_the_server(llg_srv: ServerProcess) -> None:
+    """The same models (one seed) and the EBNF grammar with --grammar-backend llguidance."""
+    _check_pydantic_schemas(llg_srv, SEEDS[:1])
+    _check_ebnf(llg_srv, range(3))
+    r = requests.post(llg_srv.url + "/generate", timeout=60, json={
+        "text": "x", "sampling_params": {"json_schema": {"type": "array", "uniqueItems": True},
+                                          "max_new_tokens": 4}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "json_schema", r.text
+    assert "uniqueItems" in r.json()["error"]["message"], r.text
+
+
+def _check_pydantic_schemas(srv: ServerProcess, seeds: Any) -> None:
+    cases = [(m, seed) for m in MODELS for seed in seeds]
     # No grammar can bound the depth of the recursive model, and SmolLM2-135M at temperature
     # 1 nests it past any token budget (1, 2, 3, ... for hundreds of levels), prompted with a
     # short example or not. Its requests add a repetition penalty, so that the tenth
@@ -248,7 +272,11 @@ def _parses(text: str) -> bool:
 
 def test_ebnf_arithmetic(srv: ServerProcess) -> None:
     assert _parses("(1+2)*30-4") and not _parses("1+") and not _parses("01")
-    seeds = list(range(6))
+    _check_ebnf(srv, range(6))
+
+
+def _check_ebnf(srv: ServerProcess, seeds: Any) -> None:
+    seeds = list(seeds)
     results = srv.generate({"text": ["Compute:"] * len(seeds), "sampling_params": [
         {"ebnf": ARITHMETIC, "temperature": 1.0, "seed": s, "max_new_tokens": 48}
         for s in seeds]})
