@@ -249,7 +249,8 @@ def tiny_llama(tmp_path_factory: Any) -> str:
                              num_key_value_heads=2, vocab_size=600)
 
 
-def test_triton_mixed_steps_decode_rows_through_the_decode_kernel(tiny_llama: str) -> None:
+def test_triton_mixed_steps_decode_rows_through_the_decode_kernel(
+        tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton attention (interpreted on the CPU): mixed steps compute their running requests'
     tokens with the decode kernel and the chunks with the extend kernel; the greedy ids and
     logprobs equal the torch backend's without chunking."""
@@ -268,4 +269,19 @@ def test_triton_mixed_steps_decode_rows_through_the_decode_kernel(tiny_llama: st
     got = _serve(triton, reqs())
     assert triton.stats()["mixed_fill_steps"] >= 3
     want = _serve(_server(tiny_llama, -1), reqs())
+    _assert_same(got, want, cached=False)
+    # Per-step backends: a mixed step's chunks through the prefill backend, its decode rows
+    # through the decode backend (each planned on its own part of the step).
+    import srt.layers.attention.hybrid_backend as hybrid_backend
+
+    splits: list[int] = []
+    real_split = hybrid_backend.split_mixed
+    monkeypatch.setattr(hybrid_backend, "split_mixed",
+                        lambda fb: splits.append(fb.decode_tail) or real_split(fb))
+    hybrid = _server(tiny_llama, 16, mixed=True, attention_backend="torch",
+                     decode_attention_backend="triton")
+    assert hybrid.runner.attn_backend.supports_decode_tail
+    got = _serve(hybrid, reqs())
+    assert hybrid.stats()["mixed_fill_steps"] >= 3
+    assert len(splits) >= 3 and min(splits) >= 1, splits
     _assert_same(got, want, cached=False)
