@@ -183,7 +183,8 @@ def curve_from_docs(docs: Sequence[tuple[str, dict[str, Any]]],
             if pool:
                 caches.append(int(pool))
         else:
-            raise ValueError(f"{name}: neither a bench_serving file ('runs') nor a curve ('points')")
+            raise ValueError(f"{name}: neither bench_serving output ('runs') nor a curve "
+                             "('points')")
     if not points:
         raise ValueError("no measured points in the curve files")
     if len(explicit_prefill) > 1:
@@ -215,7 +216,7 @@ class DecodeStepModel:
         pairs = sorted((p.streams, p.step_ms) for p in points)
         self.streams = [n for n, _ in pairs]
         self.steps = []
-        for _, s in pairs:  # a bigger batch never steps faster: measurement noise says otherwise
+        for _, s in pairs:  # a bigger batch is never faster; a dip is measurement noise
             self.steps.append(max(s, self.steps[-1]) if self.steps else s)
         self._memo: dict[int, float] = {}
 
@@ -316,7 +317,7 @@ def make_requests(w: Workload) -> list[Request]:
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Scheduler and gateway knobs; the thresholds default to SGLang's gateway defaults."""
+    """Scheduler and gateway knobs; the thresholds default to the gateway's current defaults."""
 
     max_prefill_tokens: int = 16384
     cache_threshold: float = 0.3
@@ -671,10 +672,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{pred.policy}: {answer}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"bench": "capacity", "argv": sys.argv, "curve": asdict(curve),
-                       "workload": asdict(workload), "target": asdict(target),
-                       "config": asdict(cfg), "predictions": [asdict(p) for p in preds]},
-                      f, indent=1)
+            json.dump({"bench": "capacity", "argv": sys.argv[1:] if argv is None else argv,
+                       "curve": asdict(curve), "workload": asdict(workload),
+                       "target": asdict(target), "config": asdict(cfg),
+                       "predictions": [asdict(p) for p in preds]}, f, indent=1)
     return 0 if all(p.replicas is not None for p in preds) else 1
 
 
