@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import ChildLink, describe_exit
@@ -42,12 +42,27 @@ class Child:
     heartbeat: Heartbeat
 
 
+class RemoteNodes(Protocol):
+    """Processes on other machines that the supervisor watches beside its children
+    (srt/node_hub.py on node 0, the link to node 0 on another node)."""
+
+    def ready(self) -> bool:
+        """Whether they reported ready (start-up waits for it)."""
+
+    def failure(self) -> str | None:
+        """Why they cannot serve (dead, silent, refused, late), naming node and ranks; or None."""
+
+    def stop(self) -> None:
+        """Tell them this node stops; release the link."""
+
+
 class Supervisor:
     """Owns the child processes: start, wait for ready, watch, stop.
 
     Watching covers deaths and stalls: a supervised loop (each child's, plus any loop of this
     process registered with `add_loop`) whose heartbeat is older than `watchdog_timeout` has
-    stalled (srt/watchdog.py).
+    stalled (srt/watchdog.py). With several nodes it also watches the other nodes
+    (`add_remote`): start-up waits for them and their failure is a failure.
     """
 
     def __init__(self, watchdog_timeout: float = 300.0, name: str = "launcher process") -> None:
@@ -55,6 +70,7 @@ class Supervisor:
         self.watchdog_timeout = watchdog_timeout
         self.children: list[Child] = []
         self.loops: list[tuple[str, Heartbeat]] = []  # loops of this process
+        self.remotes: list[RemoteNodes] = []
         self.stopping = False
         self.all_ready = False
 
@@ -72,11 +88,21 @@ class Supervisor:
         """Watch a loop of this process (the HTTP event loop) like a child."""
         self.loops.append((name, heartbeat))
 
+    def add_remote(self, remote: RemoteNodes) -> None:
+        self.remotes.append(remote)
+
     def wait_ready(self) -> dict[str, dict[str, Any]]:
-        """Block until every child reported ready; raise with the child's traceback otherwise."""
+        """Block until every child (and remote node) reported ready; raise with the child's
+        traceback (or the remote failure) otherwise."""
         infos: dict[str, dict[str, Any]] = {}
         pending = list(self.children)
-        while pending:
+        while pending or not all(r.ready() for r in self.remotes):
+            for remote in self.remotes:
+                reason = remote.failure()
+                if reason is not None:
+                    raise RuntimeError(reason)
+            if not pending:
+                time.sleep(0.1)
             for child in list(pending):
                 if child.ready.poll(0.1):
                     try:
@@ -107,6 +133,7 @@ class Supervisor:
         # All that are dead: a TP rank that loses its peer dies too, maybe before the poll.
         dead = [f"the {c.name} died ({describe_exit(c.process.exitcode)})"
                 for c in self.children if not c.process.is_alive()]
+        dead += [reason for r in self.remotes if (reason := r.failure()) is not None]
         if dead:
             return Failure("; ".join(dead), stalled=False)
         stalled = self.stalled()
@@ -139,6 +166,8 @@ class Supervisor:
 
     def stop(self, timeout: float = 5.0) -> None:
         self.stopping = True
+        for r in self.remotes:
+            r.stop()
         for c in self.children:
             if c.process.is_alive():
                 c.process.terminate()
@@ -189,10 +218,15 @@ def start_runtime(args: ServerArgs, name: str = "launcher process") -> Runtime:
     from srt.managers.request_types import ModelLimits
 
     logger.info("starting srt: model %s, tp_size %d", args.model_path, args.tp_size)
-    ports = PortArgs.create(args.tp_size)
+    ports = PortArgs.create(args.tp_size, args.dist_init if args.nnodes > 1 else None,
+                            args.ranks_per_node)
     supervisor = Supervisor(args.watchdog_timeout, name)
     try:
-        for rank in range(args.tp_size):
+        if args.nnodes > 1:
+            from srt.node_hub import NodeHub
+
+            supervisor.add_remote(NodeHub(args, ports.node_link))
+        for rank in args.local_tp_ranks:
             supervisor.start(f"model process (TP rank {rank})", run_model_process, args, ports,
                              rank)
         supervisor.start("router process", run_router_process, args, ports)

@@ -326,6 +326,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if args.node_rank > 0:  # another machine's ranks only: no HTTP server (srt/node_worker.py)
+        from srt.node_worker import run_node
+
+        sys.exit(run_node(args))
     sys.exit(launch_server(args))
 
 

@@ -145,6 +145,21 @@ class ServerArgs:
     shutdown_timeout: float = _f(
         30.0, "On SIGTERM or Ctrl-C: seconds in-flight requests get to finish (new ones are "
         "refused with 503) before the rest are aborted and the server exits.")
+    # Several machines (SGLang's flag names; srt/node_hub.py, srt/node_worker.py,
+    # srt/managers/node_link.py for the ports and the authentication)
+    nnodes: int = _f(1, "Machines the TP ranks are spread over, --tp-size / --nnodes ranks "
+                     "each.")
+    node_rank: int = _f(0, "This machine's index. Node 0 runs the HTTP server, router and "
+                        "detokenizer besides its ranks; another node runs only its ranks.")
+    dist_init_addr: str | None = _f(
+        None, "HOST:PORT of node 0, the same on every node: the TP group's rendezvous on PORT, "
+        "the authenticated node links on PORT+1 and PORT+2.")
+    dist_timeout: float = _f(300.0, "Seconds node 0 waits for the other nodes to join (and "
+                             "another node waits for node 0 to admit it) before giving up.")
+    node_secret_file: str | None = _f(
+        None, "File holding the secret every node shares (default: $SRT_NODE_SECRET); each "
+        "frame between nodes carries an HMAC-SHA256 under it. Required with --nnodes > 1.")
+    node_secret: str | None = field(default=None, repr=False, metadata={"cli": False})
     # Fault injection for tests (srt/faults.py): from $SRT_FAULT only, never a flag.
     fault: str | None = field(default=None, metadata={"cli": False})
 
@@ -188,9 +203,37 @@ class ServerArgs:
             api_key=self.api_key or os.environ.get("SRT_API_KEY") or None,
             admin_api_key=self.admin_api_key or os.environ.get("SRT_ADMIN_API_KEY") or None,
             fault=self.fault or os.environ.get("SRT_FAULT") or None,
+            node_secret=(self.node_secret or _read_node_secret(self.node_secret_file)
+                         or os.environ.get("SRT_NODE_SECRET") or None),
         )
         args.validate()
+        if args.nnodes > 1 and args.node_secret is None:
+            raise ValueError("--nnodes > 1 needs a secret shared by every node: set "
+                             "SRT_NODE_SECRET or pass --node-secret-file PATH")
         return args
+
+    # Several machines: ranks K * ranks_per_node .. (K + 1) * ranks_per_node - 1 live on node K.
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    def node_of_rank(self, tp_rank: int) -> int:
+        return tp_rank // self.ranks_per_node
+
+    @property
+    def local_tp_ranks(self) -> range:
+        """The TP ranks this node runs."""
+        return range(self.node_rank * self.ranks_per_node,
+                     (self.node_rank + 1) * self.ranks_per_node)
+
+    @property
+    def dist_init(self) -> tuple[str, int]:
+        """--dist-init-addr as (host, port); ValueError if malformed."""
+        host, sep, port = (self.dist_init_addr or "").rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65533:
+            raise ValueError(f"--dist-init-addr must be HOST:PORT with PORT in 1..65533 "
+                             f"(PORT+1 and PORT+2 are used too), not {self.dist_init_addr!r}")
+        return host.strip("[]"), int(port)
 
     def validate(self) -> None:
         if self.tp_size < 1:
@@ -215,6 +258,21 @@ class ServerArgs:
             raise ValueError("--watchdog-timeout must be > 0")
         if self.shutdown_timeout < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
+        if self.nnodes < 1:
+            raise ValueError("--nnodes must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes "
+                             f"{self.nnodes}), not {self.node_rank}")
+        if self.nnodes > 1:
+            if self.tp_size % self.nnodes:
+                raise ValueError(f"--tp-size {self.tp_size} is not a multiple of --nnodes "
+                                 f"{self.nnodes}: every node runs tp_size / nnodes ranks")
+            if self.dist_init_addr is None:
+                raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's "
+                                 "address, the same on every node)")
+            self.dist_init  # noqa: B018 - raises if malformed
+            if self.dist_timeout <= 0:
+                raise ValueError("--dist-timeout must be > 0")
         if self.fault is not None:
             from srt.faults import FaultSpec
 
@@ -262,6 +320,19 @@ class ServerArgs:
                       if hasattr(ns, f.name)})
 
 
+def _read_node_secret(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            secret = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--node-secret-file {path!r} cannot be read: {e}") from None
+    if not secret:
+        raise ValueError(f"--node-secret-file {path!r} is empty")
+    return secret
+
+
 def _scalar_type(annotation: Any) -> type:
     text = annotation if isinstance(annotation, str) else str(annotation)
     for name, typ in (("int", int), ("float", float), ("str", str)):
@@ -273,18 +344,26 @@ def _scalar_type(annotation: Any) -> type:
 
 @dataclass(frozen=True)
 class PortArgs:
-    """Addresses of the ring; ipc:// paths inside a private temporary directory."""
+    """Addresses of the ring; ipc:// paths inside a private temporary directory. With several
+    nodes, the TP group's rendezvous and the node links are TCP on --dist-init-addr's host
+    (ports in srt/managers/node_link.py)."""
 
     ipc_dir: str
     tokenizer_to_router: str
-    router_to_model: tuple[str, ...]  # one per TP rank
+    router_to_model: tuple[str, ...]  # one per TP rank of node 0 (every rank on one node)
     model_to_router: str
     router_to_detokenizer: str
     detokenizer_to_tokenizer: str
-    dist_init_port: int | None  # loopback TCP port of the TP group's rendezvous (tp_size > 1)
+    dist_init_port: int | None  # TCP port of the TP group's rendezvous (tp_size > 1)
+    dist_init_host: str = "127.0.0.1"
+    # (host, port) of --dist-init-addr with several nodes, else None
+    node_link: tuple[str, int] | None = None
 
     @classmethod
-    def create(cls, tp_size: int) -> "PortArgs":
+    def create(cls, tp_size: int, dist_init: tuple[str, int] | None = None,
+               ranks_on_node0: int | None = None) -> "PortArgs":
+        """dist_init: (host, port) of --dist-init-addr when the ranks span several nodes;
+        ranks_on_node0: how many of the tp_size ranks node 0 runs (default: all)."""
         d = tempfile.mkdtemp(prefix="srt-ipc-")
         os.chmod(d, 0o700)  # only this user may reach the sockets
 
@@ -294,11 +373,15 @@ class PortArgs:
         return cls(
             ipc_dir=d,
             tokenizer_to_router=addr("tokenizer_to_router"),
-            router_to_model=tuple(addr(f"router_to_model_{r}") for r in range(tp_size)),
+            router_to_model=tuple(addr(f"router_to_model_{r}")
+                                  for r in range(ranks_on_node0 or tp_size)),
             model_to_router=addr("model_to_router"),
             router_to_detokenizer=addr("router_to_detokenizer"),
             detokenizer_to_tokenizer=addr("detokenizer_to_tokenizer"),
-            dist_init_port=free_port() if tp_size > 1 else None,
+            dist_init_port=(dist_init[1] if dist_init else
+                            free_port() if tp_size > 1 else None),
+            dist_init_host=dist_init[0] if dist_init else "127.0.0.1",
+            node_link=dist_init,
         )
 
 

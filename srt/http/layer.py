@@ -23,7 +23,7 @@ from srt.http.schemas import describe
 
 logger = logging.getLogger("srt.http")
 
-SECRET_ARGS = ("api_key", "admin_api_key")
+SECRET_ARGS = ("api_key", "admin_api_key", "node_secret")
 STATS_TIMEOUT_S = 5.0
 
 

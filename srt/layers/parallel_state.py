@@ -1,8 +1,8 @@
 """The tensor-parallel group of this model process, and the collectives layers use.
 
 One process per rank; ranks form a torch.distributed group (NCCL on GPUs, gloo on the CPU) whose
-rendezvous address is on loopback. With one rank every collective is the identity and no group
-is created. Layers call only the functions here.
+rendezvous address is on loopback (node 0's --dist-init-addr with several nodes). With one rank
+every collective is the identity and no group is created. Layers call only the functions here.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ class TPGroup:
 _group = TPGroup()
 
 
-def init_tp_group(rank: int, size: int, device: torch.device, init_port: int | None) -> None:
-    """Join the group (called once per process at start-up, before the model is built)."""
+def init_tp_group(rank: int, size: int, device: torch.device, init_port: int | None,
+                  init_host: str = "127.0.0.1") -> None:
+    """Join the group (called once per process at start-up, before the model is built); the
+    rendezvous is rank 0's TCP store at init_host:init_port."""
     global _group
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} outside tp_size {size}")
@@ -37,7 +39,7 @@ def init_tp_group(rank: int, size: int, device: torch.device, init_port: int | N
             raise ValueError("tensor parallelism needs a rendezvous port")
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
-            init_method=f"tcp://127.0.0.1:{init_port}",
+            init_method=f"tcp://{init_host}:{init_port}",
             rank=rank,
             world_size=size,
             timeout=timedelta(minutes=10),

@@ -10,6 +10,7 @@ Ring (DESIGN section 2):
     HTTP (TokenizerManager) --GenerateReqInput/AbortReq/control--> router
     router --StepInput--> every model rank;  model rank 0 --StepOutput--> router
     router --BatchTokenIdOut, control results--> detokenizer --BatchStrOut, control results--> HTTP
+Several nodes: node 0 <--Node*--> each other node;  router --StepInput--> their ranks (signed)
 """
 
 from __future__ import annotations
@@ -238,6 +239,59 @@ class StrOut:
 @dataclass
 class BatchStrOut:
     outs: list[StrOut]
+
+
+# ---------------------------------------------------------------- node links (several machines)
+# Between node 0 and each other node (srt/node_hub.py, srt/node_worker.py), every frame signed
+# (srt/managers/node_link.py). Control channel: a node sends NodeHello until NodeWelcome, then
+# NodeReady once its ranks are ready, NodeHeartbeat every second and NodeFailure if it fails;
+# node 0 sends NodeHeartbeat every second and NodeShutdown when it stops. Step channel: each rank
+# of another node sends RankHello, then receives the router's StepInputs.
+
+
+@message
+@dataclass
+class NodeHello:
+    node_rank: int
+    tp_size: int
+    nnodes: int
+    hostname: str = ""
+
+
+@message
+@dataclass
+class NodeWelcome:
+    pass
+
+
+@message
+@dataclass
+class NodeReady:
+    pass
+
+
+@message
+@dataclass
+class NodeHeartbeat:
+    pass
+
+
+@message
+@dataclass
+class NodeFailure:
+    reason: str  # names the node and the process
+
+
+@message
+@dataclass
+class NodeShutdown:
+    pass
+
+
+@message
+@dataclass
+class RankHello:
+    tp_rank: int
 
 
 # ---------------------------------------------------------------- codec

@@ -70,14 +70,16 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         if self.device.type == "cuda":
             visible = torch.cuda.device_count()
-            if args.tp_size > visible:
+            if args.ranks_per_node > visible:
                 raise RuntimeError(
-                    f"--tp-size {args.tp_size} needs {args.tp_size} GPUs (one per rank) but "
-                    f"{visible} are visible"
+                    f"--tp-size {args.tp_size} needs {args.ranks_per_node} GPUs on this node "
+                    f"(one per rank) but {visible} are visible"
                 )
-            self.device = torch.device("cuda", tp_rank)
+            self.device = torch.device("cuda", tp_rank % args.ranks_per_node)
             torch.cuda.set_device(self.device)
-        parallel_state.init_tp_group(tp_rank, args.tp_size, self.device, dist_init_port)
+        parallel_state.init_tp_group(
+            tp_rank, args.tp_size, self.device, dist_init_port,
+            args.dist_init[0] if args.nnodes > 1 else "127.0.0.1")
         self.dtype = resolve_dtype(args.dtype, config.torch_dtype, self.device)
         torch.manual_seed(args.random_seed or 0)
         self.model = self._load_model()

@@ -27,7 +27,17 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> 
     def build() -> ModelProcess:
         server = ModelProcess(args, tp_rank, ports.dist_init_port)
         ctx = zmq.Context()
-        sockets.append(PullSocket(ctx, ports.router_to_model[tp_rank]))
+        if args.node_of_rank(tp_rank) == 0:
+            sockets.append(PullSocket(ctx, ports.router_to_model[tp_rank]))
+        else:  # a rank of another node: node 0's router reaches it over the signed step link
+            from srt.managers import node_link
+            from srt.managers.io_struct import RankHello
+
+            host, port = ports.node_link
+            inbox = node_link.LinkClient(ctx, node_link.connect_addr(host, node_link.step_port(
+                port)), args.node_secret, node_link.STEP, tp_rank)
+            inbox.send(RankHello(tp_rank))
+            sockets.append(inbox)
         sockets.append(PushSocket(ctx, ports.model_to_router) if tp_rank == 0 else None)
         return server
 

@@ -25,7 +25,18 @@ class RouterManager:
         self.fault = fault_point(args.fault, "router")
         self.ctx = zmq.Context()
         self.from_tokenizer = PullSocket(self.ctx, ports.tokenizer_to_router)
-        self.to_models = [PushSocket(self.ctx, a) for a in ports.router_to_model]
+        self.to_models: list[Any] = [PushSocket(self.ctx, a) for a in ports.router_to_model]
+        if args.nnodes > 1:  # the ranks of the other nodes, over the signed step link
+            from srt.managers import node_link
+
+            host, port = ports.node_link
+            self.step_link = node_link.LinkServer(
+                self.ctx, node_link.bind_addr(host, node_link.step_port(port)),
+                args.node_secret, node_link.STEP)
+            # Every rank said hello before its node reported ready, which was before the first
+            # step; the wait only covers the hello still being in flight.
+            self.to_models += [self.step_link.sender(r, wait_s=30.0)
+                               for r in range(args.ranks_per_node, args.tp_size)]
         self.from_model = PullSocket(self.ctx, ports.model_to_router)
         self.to_detokenizer = PushSocket(self.ctx, ports.router_to_detokenizer)
 
