@@ -83,7 +83,7 @@ class LinkToNode0:
         with self.lock:
             self.link.send(msg)
 
-    def _finish(self, code: int, reason: str) -> None:
+    def finish(self, code: int, reason: str) -> None:
         if self.outcome is None:
             self.outcome = Outcome(code, reason)
         self.done.set()
@@ -97,9 +97,9 @@ class LinkToNode0:
             if msg is not None:
                 self.last_seen = now
                 if isinstance(msg, NodeShutdown):
-                    self._finish(0, "node 0 stopped")
+                    self.finish(0, "node 0 stopped")
             if now - self.last_seen > LINK_TIMEOUT_S:
-                self._finish(1, f"node 0 ({self.addr}) stopped answering: nothing from it for "
+                self.finish(1, f"node 0 ({self.addr}) stopped answering: nothing from it for "
                                 f"{LINK_TIMEOUT_S:g} s")
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_S
@@ -142,7 +142,7 @@ def run_node(args: ServerArgs) -> int:
     supervisor.add_remote(link)
 
     def on_signal(signum: int, _: object) -> None:
-        link._finish(0, f"stopped by {signal.Signals(signum).name}")
+        link.finish(0, f"stopped by {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -163,10 +163,11 @@ def run_node(args: ServerArgs) -> int:
     def on_failure(failure: Failure) -> None:
         if link.outcome is None:  # not a failure this node was told of
             _tell(link, failure.reason)
-        link._finish(1, failure.reason)
+        link.finish(1, failure.reason)
 
     supervisor.watch(on_failure)
-    link.done.wait()
+    while not link.done.wait(0.5):  # a timeout, so that signal handlers run promptly
+        pass
     outcome = link.outcome
     assert outcome is not None
     log = logger.info if outcome.code == 0 else logger.error

@@ -1,7 +1,8 @@
 """Typed ZMQ PUSH/PULL wrappers: a socket wrapped once with the io_struct codec.
 
-Nobody else touches raw sockets. Addresses are `ipc://` paths in the server's private temporary
-directory (or `tcp://127.0.0.1:port`); never a wildcard address.
+Nobody else touches raw sockets but `node_link.py` (the signed links between nodes). Addresses
+are `ipc://` paths in the server's private temporary directory (or `tcp://127.0.0.1:port`);
+never a wildcard address.
 """
 
 from __future__ import annotations

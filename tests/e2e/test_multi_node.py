@@ -96,10 +96,14 @@ def _node_args(model: str, tp: int, rank: int, port: int, *extra: str) -> list[s
 
 
 def _start_two(model: str, tp: int, timeout: str = "60") -> tuple[ServerProcess, Node]:
+    """Node 1 with the secret in SRT_NODE_SECRET, node 0 with it in --node-secret-file."""
     port = _dist_port()
+    fd, secret_file = tempfile.mkstemp(prefix="srt-secret-")
+    with os.fdopen(fd, "w") as f:
+        f.write(SECRET + "\n")
     node1 = Node(_node_args(model, tp, 1, port, "--dist-timeout", timeout), SECRET)
-    node0 = ServerProcess(_node_args(model, tp, 0, port, "--dist-timeout", timeout),
-                          env={"SRT_NODE_SECRET": SECRET})
+    node0 = ServerProcess(_node_args(model, tp, 0, port, "--dist-timeout", timeout,
+                                     "--node-secret-file", secret_file))
     try:
         node0.start(timeout=120)
     except BaseException:
@@ -201,6 +205,23 @@ def test_killing_node1_brings_node0_down(llama: str) -> None:
         assert code != 0 and time.monotonic() - start < 30
         _assert_gone(procs)
         assert "node 1 (TP rank 1)" in node0.log()
+    finally:
+        node0.stop()
+        node1.kill()
+
+
+def test_dead_rank_on_node1_brings_both_down(llama: str) -> None:
+    node0, node1 = _start_two(llama, 2)
+    try:
+        procs = _tree(node0.proc.pid) + _tree(node1.proc.pid)
+        rank1 = next(p for p in _tree(node1.proc.pid) if p.name() == "srt-model-tp1")
+        start = time.monotonic()
+        rank1.send_signal(signal.SIGKILL)
+        assert node0.proc.wait(30) != 0 and time.monotonic() - start < 30
+        assert node1.proc.wait(20) != 0
+        _assert_gone(procs)
+        assert "node 1 (TP rank 1) failed: the model process (TP rank 1) died (killed by " \
+               "SIGKILL)" in node0.log()
     finally:
         node0.stop()
         node1.kill()
