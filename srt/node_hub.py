@@ -8,8 +8,9 @@ admitted node a heartbeat each second, and records NodeReady and NodeFailure. Th
 
 Failures, each naming the node and its TP ranks: a node that does not join within
 --dist-timeout; during start-up, frames claiming to be from a node that fail the HMAC check (a
-wrong or missing secret: refused at once); a node that reports a failure; a node silent for
-LINK_TIMEOUT_S (its machine, network or launcher gone).
+wrong or missing secret: refused at once, so a stranger on the network can stop a start-up but
+never join); a node that reports a failure; a node silent for LINK_TIMEOUT_S (its machine,
+network or launcher gone).
 """
 
 from __future__ import annotations
@@ -100,10 +101,13 @@ class NodeHub:
 
     def _to_all(self, msg: object) -> None:
         for node in sorted(self.joined):
-            try:
-                self.link.send(node, msg)
-            except node_link.LinkError as e:
-                logger.warning("%s", e)  # its silence is noticed by _check
+            self._to(node, msg)
+
+    def _to(self, node: int, msg: object) -> None:
+        try:
+            self.link.send(node, msg)
+        except node_link.LinkError as e:
+            logger.warning("%s", e)  # its silence is noticed by _check
 
     def _handle(self, node: int, msg: object, now: float) -> None:
         if node not in self.nodes:
@@ -120,7 +124,7 @@ class NodeHub:
             if node not in self.joined:
                 logger.info("%s joined from %s", name, msg.hostname or "?")
             self.joined.add(node)
-            self.link.send(node, NodeWelcome())  # again for a repeated hello (one was lost)
+            self._to(node, NodeWelcome())  # again for a repeated hello (one was lost)
         elif isinstance(msg, NodeReady):
             logger.info("%s is ready", name)
             self.ready_nodes.add(node)

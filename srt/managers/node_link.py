@@ -48,6 +48,7 @@ STEP = 2
 _HEADER = struct.Struct("!BiQ")
 _CHANNEL_NAMES = {CONTROL: "control", STEP: "step"}
 NODE0 = 0  # the sender id of node 0's side
+MAX_SENDER = 1 << 16  # node ranks and TP ranks are below it
 
 
 class LinkError(RuntimeError):
@@ -124,6 +125,8 @@ class Verifier:
         return None
 
     def _drop(self, claimed: int, why: str) -> None:
+        if not 0 <= claimed < MAX_SENDER:  # strangers must not grow the table without bound
+            claimed = -1
         self.refused[claimed] = self.refused.get(claimed, 0) + 1
         now = time.monotonic()
         if now - self._last_log >= 1.0:  # a stranger must not flood the log
