@@ -104,6 +104,25 @@ class ConstraintManager:
                 ended.append(r)
         return ended
 
+    def _jump_plan(self, req: Req) -> Any:
+        """The jump `req` would take now (None: nothing forced, too few ids gained for a running
+        request (--jump-forward-min-tokens), logprobs wanted, or jumps off)."""
+        if self.jump is None or req.matcher is None or req.logprob is not None:
+            return None
+        plan = self.jump.plan_matcher(req.matcher, req.output_ids, req.sent_len,
+                                      req.sampling_params.max_new_tokens)
+        if plan is None:
+            return None
+        if (req.req_pool_idx is not None
+                and len(plan.new_ids) - (len(req.output_ids) - plan.keep) < self.jump_min_tokens):
+            return None
+        return plan
+
+    def wants_jump(self, req: Req) -> bool:
+        """`jump_forward(req)` would change its ids (checked while a step of it is in flight,
+        when the jump itself must wait)."""
+        return self._jump_plan(req) is not None
+
     def jump_forward(self, req: Req) -> bool:
         """Append the text the request's pattern forces from its state, if that gains anything;
         True if the request must go back to the waiting queue for it.
@@ -121,17 +140,12 @@ class ConstraintManager:
         have none). Every rank plans the same jump: the plan depends only on the request's ids,
         the pattern and the tokenizer. The request has no step in flight.
         """
-        if self.jump is None or req.matcher is None or req.logprob is not None:
-            return False
-        assert not req.in_flight
-        plan = self.jump.plan_matcher(req.matcher, req.output_ids, req.sent_len,
-                                      req.sampling_params.max_new_tokens)
+        plan = self._jump_plan(req)
         if plan is None:
             return False
+        assert not req.in_flight
         in_batch = False
         if req.req_pool_idx is not None:
-            if len(plan.new_ids) - (len(req.output_ids) - plan.keep) < self.jump_min_tokens:
-                return False  # too few ids gained (--jump-forward-min-tokens)
             old_ids, old_kv = req.fill_ids, req.kv_computed
             new_ids = old_ids[: len(req.origin_input_ids) + plan.keep] + plan.new_ids
             valid = min(len(req.origin_input_ids) + plan.keep, old_kv)

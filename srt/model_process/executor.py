@@ -11,8 +11,10 @@ ids reach the host.
 Contract: the plans of launched steps are resolved (`wait`) in launch order, and a plan's
 requests must not be mutated on the host between its launch and its wait except as the loop
 does (appending the previous step's tokens). Sampling of a launched step reads each request's
-host state at launch: requests whose sampling needs the previous step's token on the host (an
-FSM mask, penalties, pending min_new_tokens) are launched only after that step was resolved.
+host state at launch: requests whose sampling needs the previous step's token on the host
+(penalties, pending min_new_tokens) are launched only after that step was resolved; a grammar's
+mask is built after the step before was read, between this step's forward and its sampling
+(`before_sample`).
 
 On a GPU each step records an event before its first copy and one after its last, so `wait`
 can book how long the device sat idle before the step (`StepTimer.gpu_idle`).
@@ -108,7 +110,12 @@ class StepExecutor:
         return e
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> InFlight:
+    def launch(self, plan: StepPlan,
+               before_sample: Callable[[], None] | None = None) -> InFlight:
+        """Launch `plan`'s forward, then sampling. `before_sample` runs on the host between the
+        two, while the device computes the forward: the loop reads the previous step there, so
+        that a grammar's mask sees the token that step sampled (requests it finished get no
+        mask; their token of this step is dropped when it is read)."""
         dev = self.device
         start = self._event()
         reqs = plan.reqs
@@ -157,6 +164,8 @@ class StepExecutor:
                                               plan.req_rows))).to(dev, non_blocking=True)
             logits, req_rows = logits.index_select(0, both[0]), both[1]
         self.timer.mark("forward")
+        if before_sample is not None:
+            before_sample()
         assert logits.shape[-1] == self.vocab_size
         # The sampling tensors and masks after the launch: on a GPU the host builds them while
         # the device runs the forward (every copy in them is non-blocking).
@@ -165,8 +174,8 @@ class StepExecutor:
         if any(r.matcher is not None for r in reqs):
             if self.masks is None:
                 self.masks = self.grammar_masks(logits.shape[-1], dev)
-            info.forbidden = merge_forbidden(info.forbidden,
-                                             self.masks.batch([r.matcher for r in reqs]))
+            info.forbidden = merge_forbidden(info.forbidden, self.masks.batch(
+                [None if r.finished else r.matcher for r in reqs]))
         self.timer.mark("sample_prep")
         ids = sample(logits, info, self.runner.sampler_generator)
         # Rank 0 samples for all: ranks hold bitwise-equal logits and generators, but one
@@ -186,7 +195,8 @@ class StepExecutor:
         else:
             host = ids
         for r in reqs:
-            r.forward_passes += 1
+            if not r.finished:  # (finished by the read in before_sample: its token is dropped)
+                r.forward_passes += 1
             r.in_flight += 1
         end = self._event()
         inflight = InFlight(plan, host, done, lps, self.timer, start, self._last_end)

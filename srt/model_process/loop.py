@@ -16,8 +16,11 @@ Overlap (on by default, `--disable-overlap-schedule` turns it off): a launched d
 left in flight. The next one is launched from its sampled ids on the device (`Batch`,
 `StepExecutor`), and only then are its ids read and its host work done (appending, stop checks,
 streaming, finishing), while the device computes; a round ends with a step in flight, so the
-router round trip overlaps it too. A batch whose sampling needs the previous token on the host
-(an FSM mask, penalties) or whose KV needs a retraction resolves the step in flight first.
+router round trip overlaps it too. With a grammar in the batch the step in flight is read
+between the next step's forward and its sampling (the masks need its tokens); a request whose
+pattern then forces text has that step resolved before the next launch, and jumps. A batch whose
+sampling needs the previous token on the host otherwise (penalties) or whose KV needs a
+retraction resolves the step in flight first.
 A request finished by step k that was already launched into step k+1 has that step's slot
 freed and its token dropped.
 """
@@ -35,7 +38,7 @@ from srt.managers.io_struct import (AbortReq, BatchTokenIdOut, FlushCacheReq, Ge
                                     StatsOut, StepInput, StepOutput, TokenizedGenerateReq,
                                     TokenOut)
 from srt.model_config import ModelConfig
-from srt.model_process.batch import Batch
+from srt.model_process.batch import Batch, StepPlan
 from srt.model_process.constraints import ConstraintManager
 from srt.model_process.executor import InFlight, StepExecutor
 from srt.model_process.intake import flush_cache, new_req
@@ -224,8 +227,9 @@ class ModelProcess:
 
     def _chainable(self) -> bool:
         """Every running request can be launched before the host has its previous token: no
-        grammar mask and no penalties (both read the output so far), no pending jump."""
-        return not any(r.matcher is not None or r.kv_valid is not None
+        penalties (they read the output so far), no jump pending or wanted. (A grammar's mask
+        is built after the step before is read, between the forward and the sampling.)"""
+        return not any(r.kv_valid is not None or r.jump_wanted
                        or r.sampling_params.uses_penalties for r in self.running)
 
     def _decode_step(self, outs: list[TokenOut]) -> bool:
@@ -252,12 +256,19 @@ class ModelProcess:
                 plan = self.batch.prepare_decode(self.kv.alloc_slots(len(self.batch)))
         else:
             plan = self.batch.prepare_decode(self.kv.alloc_slots(n), launch)
-        self.inflight = self.executor.launch(plan)
+        # With a grammar in the batch, the step before is read between this step's forward
+        # and its sampling, so the masks see the tokens it sampled.
+        read: list[bool] = []
+        before_sample = None
+        if prev is not None and any(r.matcher is not None for r in self.running):
+            def before_sample() -> None:
+                read.append(self._read(prev, outs, then=plan, deferred=True))
+        self.inflight = self.executor.launch(plan, before_sample)
         self.ratio.step()
         jumped = False
         if prev is not None:
             self.counters.overlapped_steps += 1
-            jumped = self._read(prev, outs, then=self.inflight)
+            jumped = read[0] if read else self._read(prev, outs, then=plan)
         elif not self.overlap:
             jumped = self._resolve(outs)
         timer.end(len(plan.reqs))
@@ -280,14 +291,17 @@ class ModelProcess:
         prev, self.inflight = self.inflight, None
         return prev is not None and self._read(prev, outs, then=None)
 
-    def _read(self, step: InFlight, outs: list[TokenOut], then: InFlight | None) -> bool:
-        """Wait for a decode step's results and do its host work. `then`: the step launched
-        after it, into which the requests this one finishes were launched for nothing."""
-        self._apply(step, outs, then)
+    def _read(self, step: InFlight, outs: list[TokenOut], then: StepPlan | None,
+              deferred: bool = False) -> bool:
+        """Wait for a decode step's results and do its host work. `then`: the plan of the step
+        launched after it, into which the requests this one finishes were launched for nothing;
+        `deferred`: that step's sampling waits for this read (its jumps wait too)."""
+        self._apply(step, outs, then, deferred)
         self.batch.filter(lambda r: r.status == ReqStatus.RUNNING)
         return any(r.status == ReqStatus.WAITING for r in step.plan.reqs)
 
-    def _apply(self, step: InFlight, outs: list[TokenOut], then: InFlight | None = None) -> None:
+    def _apply(self, step: InFlight, outs: list[TokenOut], then: StepPlan | None = None,
+               deferred: bool = False) -> None:
         res = step.wait()
         self.counters.timer.mark("wait")
         plan = step.plan
@@ -323,14 +337,15 @@ class ModelProcess:
                     continue
             self.output.append(r, tok, out_lp)
         if then is not None:
-            gone = [i for i, r in enumerate(then.plan.reqs) if r.finished]
+            gone = [i for i, r in enumerate(then.reqs) if r.finished]
             if gone:
-                self.kv.pool.free(then.plan.out_cache_loc[gone])
-                for i in gone:
-                    then.plan.reqs[i].forward_passes -= 1
+                self.kv.pool.free(then.out_cache_loc[gone])
+                if not deferred:  # (deferred: that step's launch has not counted them yet)
+                    for i in gone:
+                        then.reqs[i].forward_passes -= 1
         self.waiting[:0] = chunked
         for r in live:
-            self._settle(r, outs)
+            self._settle(r, outs, deferred)
 
     def release_chunked(self) -> bool:
         """Let the request between prefill chunks give up its row and lock (its computed KV
@@ -345,9 +360,16 @@ class ModelProcess:
                 return True
         return False
 
-    def _settle(self, r: Req, outs: list[TokenOut]) -> None:
-        """Jump forward where a pattern forces text, finish what finished, emit outputs."""
-        jumped = not r.finished and self.constraints.jump_forward(r)
+    def _settle(self, r: Req, outs: list[TokenOut], deferred: bool = False) -> None:
+        """Jump forward where a pattern forces text (`deferred`: a step of it is in flight, so
+        only note that it wants to), finish what finished, emit outputs."""
+        if deferred:
+            jumped = False
+            r.jump_wanted = (not r.finished and r.matcher is not None
+                             and self.constraints.wants_jump(r))
+        else:
+            r.jump_wanted = False
+            jumped = not r.finished and self.constraints.jump_forward(r)
         if r.finished:
             self.kv.cache_finished(r)
             outs.append(self.output.token_out(r))

@@ -112,6 +112,9 @@ class Req:
     forward_passes: int = 0  # model forwards (fills and decode steps) this request took part in
     # Set by a jump while running, and between prefill chunks: positions whose KV is valid.
     kv_valid: int | None = None
+    # Its pattern forces text, seen while a step of it was in flight (a jump needs none): the
+    # loop resolves that step before launching another, and the jump happens then.
+    jump_wanted: bool = False
     # Launched steps whose tokens are not on the host yet (the overlapped loop): each one
     # writes the KV of one more position, and output_ids lack its token.
     in_flight: int = 0  # launched steps not resolved yet (2 for a moment while chaining)
