@@ -13,6 +13,7 @@ import msgpack
 import pytest
 
 from srt.managers import io_struct
+import srt.managers.io_struct as io
 from srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -97,6 +98,14 @@ def samples() -> dict[str, list[Any]]:
         "StrOut": [StrOut("a1", "héllo 中文 😀", [1, 2], 3, 0, 2, {"type": "abort", "message": "x"}),
                    StrOut("b", "x", [5], 3, 0, 1, None, PROMPT_LP, TEXT_LP)],
         "BatchStrOut": [BatchStrOut([StrOut("a", "", [], 0, 0, 0)]), BatchStrOut([])],
+        # the links between nodes (--nnodes > 1)
+        "NodeHello": [io.NodeHello(1, 4, 2, "host-b ✓"), io.NodeHello(3, 8, 4)],
+        "NodeWelcome": [io.NodeWelcome()],
+        "NodeReady": [io.NodeReady()],
+        "NodeHeartbeat": [io.NodeHeartbeat()],
+        "NodeFailure": [io.NodeFailure("node 1 (TP rank 1): the model process died")],
+        "NodeShutdown": [io.NodeShutdown()],
+        "RankHello": [io.RankHello(3)],
     }
 
 

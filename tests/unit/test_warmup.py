@@ -23,9 +23,9 @@ def test_warm_up_runs_every_path_and_leaves_nothing(monkeypatch) -> None:
     seen: list[tuple[ForwardMode, list[int]]] = []
     launch = StepExecutor.launch
 
-    def spy(self, plan):
+    def spy(self, plan, *args):
         seen.append((plan.mode, list(plan.prefix_lens)))
-        return launch(self, plan)
+        return launch(self, plan, *args)
 
     monkeypatch.setattr(StepExecutor, "launch", spy)
     server = ModelProcess(_args(path), 0, None)
