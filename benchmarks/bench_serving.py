@@ -143,8 +143,36 @@ def summarize(results: list[RequestResult], wall: float) -> dict[str, Any]:
     return row
 
 
+class ClientGc:
+    """This client's own garbage-collector pauses during a run (they stall every stream it
+    reads at once, like a server pause would): the heap is frozen first, then each collection
+    is timed (srt/gc_watch.py)."""
+
+    def __enter__(self) -> "ClientGc":
+        from srt.gc_watch import GcWatch, freeze_heap
+
+        freeze_heap()
+        self.watch = GcWatch().install()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.watch.uninstall()
+
+    def figures(self) -> dict[str, Any]:
+        st = self.watch.stats()
+        return {"client_gc_collections": st["collections"],
+                "client_gc_pause_ms_max": st["pause_ms_max"]}
+
+
 async def run_http(base_url: str, endpoint: str, specs: list[RequestSpec], cfg: RunConfig,
                    seed: int, progress: bool, timeout: float) -> dict[str, Any]:
+    with ClientGc() as cgc:
+        row = await _run_http(base_url, endpoint, specs, cfg, seed, progress, timeout)
+    return {**row, **cgc.figures()}
+
+
+async def _run_http(base_url: str, endpoint: str, specs: list[RequestSpec], cfg: RunConfig,
+                    seed: int, progress: bool, timeout: float) -> dict[str, Any]:
     import aiohttp
 
     sem = asyncio.Semaphore(cfg.max_concurrency or len(specs))
@@ -230,6 +258,21 @@ def make_long_mix(a: Any, rate: float) -> list[MixItem]:
     return sorted(items, key=lambda x: x.at)
 
 
+def stall_events(big: list[tuple[float, float]], window_s: float = 0.05) -> list[dict[str, Any]]:
+    """Group the long gaps (end time s, length ms) whose ends lie within `window_s` of the
+    previous one: one group is one moment when many streams stopped together (a long step, a
+    pause of a server process or of this client), rather than one slow stream. Longest first."""
+    groups: list[list[tuple[float, float]]] = []
+    for end, ms in sorted(big):
+        if groups and end - groups[-1][-1][0] <= window_s:
+            groups[-1].append((end, ms))
+        else:
+            groups.append([(end, ms)])
+    out = [{"end_s": g[0][0], "streams": len(g), "max_ms": max(ms for _, ms in g),
+            "start_s": round(min(e - ms / 1e3 for e, ms in g), 4)} for g in groups]
+    return sorted(out, key=lambda x: -x["max_ms"])
+
+
 def summarize_long_mix(items: list[MixItem], results: list[RequestResult], start: float,
                        wall: float, gap_ms: float) -> dict[str, Any]:
     """Short streams: throughput, TTFT and inter-token gaps; long requests: TTFT. Times in the
@@ -251,6 +294,9 @@ def summarize_long_mix(items: list[MixItem], results: list[RequestResult], start
                 if x * 1e3 > gap_ms:
                     big.append((round(t, 4), round(x * 1e3, 2)))
     row["big_gaps"] = sorted(big, key=lambda g: -g[1])[:100]
+    stalls = stall_events(big)
+    row["stall_events"] = len(stalls)
+    row["stalls"] = stalls[:50]
     ok_long = [r for _, r in long_ if r.ok]
     lt = np.asarray([r.ttft for r in ok_long]) * 1e3
     row.update({
@@ -270,6 +316,15 @@ def summarize_long_mix(items: list[MixItem], results: list[RequestResult], start
 async def run_long_mix_http(base_url: str, endpoint: str, items: list[MixItem],
                             max_concurrency: int | None, progress: bool, timeout: float,
                             label: str, gap_ms: float) -> dict[str, Any]:
+    with ClientGc() as cgc:
+        row = await _run_long_mix_http(base_url, endpoint, items, max_concurrency, progress,
+                                       timeout, label, gap_ms)
+    return {**row, **cgc.figures()}
+
+
+async def _run_long_mix_http(base_url: str, endpoint: str, items: list[MixItem],
+                             max_concurrency: int | None, progress: bool, timeout: float,
+                             label: str, gap_ms: float) -> dict[str, Any]:
     import aiohttp
 
     n_short = sum(not it.long for it in items)
@@ -456,7 +511,8 @@ def main() -> None:
     if long_mix:
         cols = ["request_rate", "max_concurrency", "completed", "failed", "wall_s",
                 "out_tok_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
-                "itl_ms_max", "gaps", f"gaps_over_{a.gap_threshold_ms:g}ms", "long_sent",
+                "itl_ms_max", "gaps", f"gaps_over_{a.gap_threshold_ms:g}ms", "stall_events",
+                "client_gc_pause_ms_max", "long_sent",
                 "long_completed", "long_ttft_ms_p50", "long_ttft_ms_max"]
     else:
         cols = ["request_rate", "max_concurrency", "completed", "failed", "wall_s", "req_per_s",
@@ -479,7 +535,8 @@ def main() -> None:
            if long_mix else {}),
         "server_args": a.server_args,
         "server": {k: server_info.get(k) for k in ("attention_backend", "device", "dtype",
-                                                   "tp_size", "max_total_num_tokens")},
+                                                   "tp_size", "max_total_num_tokens",
+                                                   "gc", "heap")},
         "runs": rows,
     })
     print_table(rows, cols)

@@ -6,6 +6,10 @@
 #                   long (W3, T30, D30 at a 32k context: bench_long.py), serving-long (HTTP
 #                   short streams + an 8k prompt every 3 s: bench_serving.py --workload long-mix,
 #                   knobs in MIX_ARGS, default "--request-rate 8 --duration 60"),
+#                   serving (streamed 256 in / 256 out at rising Poisson rates: the curve
+#                   benchmarks/capacity.py reads; knobs in SWEEP_ARGS, default "--request-rate
+#                   8 16 24 32 48 --num-prompts 240"), constrained (bench_constrained.py per
+#                   grammar backend with SmolLM2's tokenizer from .whlgr/tok),
 #                   tests (the gpu-marked tests in TESTS); e.g. SRT="offline:llama3-8b tests"
 #   SRT_ARGS="..."  extra flags of every srt stage: the benchmark's own or any srt.ServerArgs
 #                   flag, e.g. "--chunked-prefill-size 8192 --enable-mixed-chunk"
@@ -23,7 +27,9 @@ OUT=${OUT:-benchmarks/results/latest}
 TAG=${TAG:-a}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-wheels=$(ls .whl/*.whl .whlfi/*.whl 2>/dev/null)  # .whlfi: flashinfer-python, apache-tvm-ffi
+# .whlfi: flashinfer-python; .whlgr: xgrammar, llguidance, outlines-core, apache-tvm-ffi (both
+# FlashInfer and xgrammar need it: carry .whlgr with .whlfi)
+wheels=$(ls .whl/*.whl .whlfi/*.whl .whlgr/*.whl 2>/dev/null)
 if [ -n "$wheels" ]; then
   # shellcheck disable=SC2086
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -61,6 +67,14 @@ for stage in ${SRT:-}; do
                     --launch --shape "$shape" --workload long-mix --no-progress \
                     ${MIX_ARGS:---request-rate 8 --duration 60} ${SRT_ARGS:-} \
                     --out "$OUT/srt_serving_long_${shape}_$TAG.json" ;;
+    serving) run "srt_serving_${shape}_$TAG" 540 python3 benchmarks/bench_serving.py \
+               --launch --shape "$shape" --input-len 256 --output-len 256 --no-progress \
+               ${SWEEP_ARGS:---request-rate 8 16 24 32 48 --num-prompts 240} ${SRT_ARGS:-} \
+               --out "$OUT/srt_serving_${shape}_$TAG.json" ;;
+    constrained) run "srt_constrained_${shape}_$TAG" 540 python3 benchmarks/bench_constrained.py \
+                   --shape "$shape" --tokenizer-dir .whlgr/tok \
+                   --grammar-backend xgrammar llguidance outlines ${SRT_ARGS:-} \
+                   --out "$OUT/srt_constrained_${shape}_$TAG.json" ;;
     tests) TAIL=25 run "gpu_tests_$TAG" ${TEST_TIMEOUT:-240} python3 -m pytest -q -rA -p no:cacheprovider \
              ${TESTS:-tests/gpu/test_overlap_gpu.py} ;;
     *) echo "unknown stage $stage" ;;

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
+from srt.gc_watch import settle_process
 from srt.launcher import Failure, Supervisor, prepare_args, start_runtime
 from srt.server_args import ServerArgs
 from srt.utils import configure_logging
@@ -276,6 +277,7 @@ def launch_server(args: ServerArgs) -> int:
         logger.exception("the HTTP server could not be set up")
         rt.stop()
         return 1
+    settle_process(args.gc_warning_threshold_secs, "http")
     logger.info("ready: serving on http://%s:%d", args.host, args.port)
     try:
         server.run()

@@ -138,6 +138,11 @@ class ServerArgs:
     log_requests: bool = _f(False, "Log each request's body and output text (escaped). Off: "
                             "prompts and outputs are never logged.")
 
+    gc_warning_threshold_secs: float = _f(
+        0.1, "Log a warning when one garbage collection pauses a process this many seconds "
+        "or more (0: never). Every process freezes what it holds at the end of start-up out "
+        "of the collector's reach, so such pauses should be rare.")
+
     # Failure handling (srt/watchdog.py, srt/http/lifecycle.py)
     watchdog_timeout: float = _f(
         300.0, "Seconds a process may go without progress while it has work (a stalled loop) "
@@ -258,6 +263,8 @@ class ServerArgs:
             raise ValueError("--watchdog-timeout must be > 0")
         if self.shutdown_timeout < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
+        if self.gc_warning_threshold_secs < 0:
+            raise ValueError("--gc-warning-threshold-secs must be >= 0 (0: no warnings)")
         if self.nnodes < 1:
             raise ValueError("--nnodes must be >= 1")
         if not 0 <= self.node_rank < self.nnodes:

@@ -88,18 +88,23 @@ class ChildLink:
     heartbeat: Any  # srt.watchdog.Heartbeat
 
 
-def start_child(link: ChildLink, log_level: str, name: str, build: Callable[[], T],
+def start_child(link: ChildLink, args: Any, name: str, build: Callable[[], T],
                 info: Callable[[T], dict[str, Any]] = lambda _: {}) -> T:
     """The ready handshake of a child process: set it up, build its main object, then report
-    ("ready", info(obj)) on the pipe, or ("error", traceback) and exit 1 if building failed."""
+    ("ready", info(obj)) on the pipe, or ("error", traceback) and exit 1 if building failed.
+    `args` is the ServerArgs (log level, garbage-collector warning threshold). Everything alive
+    once built is frozen out of the garbage collector's reach (srt/gc_watch.py)."""
+    from srt.gc_watch import settle_process
+
     become_child_process(link.parent_pid, name)
-    configure_logging(log_level, name)
+    configure_logging(args.log_level, name)
     try:
         obj = build()
         payload = info(obj)
     except Exception:
         link.ready.send(("error", traceback.format_exc()))
         raise SystemExit(1)
+    settle_process(args.gc_warning_threshold_secs, name)
     link.heartbeat.beat()  # the watchdog starts counting from here
     link.ready.send(("ready", payload))
     return obj

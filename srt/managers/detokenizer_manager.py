@@ -89,6 +89,6 @@ class DetokenizerManager:
 
 
 def run_detokenizer_process(args: ServerArgs, ports: PortArgs, link: ChildLink) -> None:
-    detokenizer = start_child(link, args.log_level, "detokenizer",
+    detokenizer = start_child(link, args, "detokenizer",
                               lambda: DetokenizerManager(args, ports, link.heartbeat))
     run_loop("detokenizer process", detokenizer.loop)

@@ -64,7 +64,7 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> 
             "cuda_graph": server.runner.graph_runner is not None,
         }
 
-    server = start_child(link, args.log_level, f"model tp{tp_rank}", build, ready_info)
+    server = start_child(link, args, f"model tp{tp_rank}", build, ready_info)
     inbox, outbox = sockets
     fault = fault_point(args.fault, f"model{tp_rank}")
     heartbeat = link.heartbeat
@@ -87,6 +87,8 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> 
             out = server.step(inp, emit)
             if work:
                 server.heap.busy()
+            elif not (server.running or server.waiting):
+                server.heap.idle()  # only control messages (e.g. /get_server_info polls)
             if outbox is not None:
                 outbox.send(out)
 

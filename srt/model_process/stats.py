@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from srt.gc_watch import process_watch
 from srt.model_process.step_timing import StepTimer
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ def stats(p: ModelProcess) -> dict[str, Any]:
         },
         "decode_step_times": c.timer.snapshot(),
         "heap": p.heap.stats(),
+        "gc": watch.stats() if (watch := process_watch()) is not None else {},
     }
 
 

@@ -58,3 +58,5 @@ def test_bench_serving_launch_and_engine(tmp_path: Any) -> None:
     assert run["engine"]["completed"] == 6 and run["engine"]["output_tokens"] == 30
     assert run["http_over_engine"] == run["out_tok_per_s"] / run["engine"]["out_tok_per_s"]
     assert data["server"]["attention_backend"] == "torch"
+    assert data["server"]["gc"]["frozen_objects"] > 0  # the model process froze its start-up heap
+    assert len(run["client_gc_collections"]) == 3 and run["client_gc_pause_ms_max"] >= 0

@@ -412,6 +412,11 @@ def test_get_server_info(server: Any) -> None:
         info = server.wait_idle()
     assert info["heap"]["trims"] >= 1, info["heap"]
     assert 0 <= info["heap"]["free_mb"] <= info["heap"]["arena_mb"], info["heap"]
+    # what the model process held at the end of start-up is out of the collector's reach
+    gcs = info["gc"]
+    assert gcs["frozen_objects"] > 10_000, gcs
+    assert len(gcs["collections"]) == 3 and min(gcs["collections"]) >= 0, gcs
+    assert gcs["pause_ms_max"] >= 0 and len(gcs["pause_ms_total"]) == 3, gcs
 
 
 def test_flush_cache_when_idle(server: Any) -> None:

@@ -78,6 +78,6 @@ class RouterManager:
 
 
 def run_router_process(args: ServerArgs, ports: PortArgs, link: ChildLink) -> None:
-    router = start_child(link, args.log_level, "router",
+    router = start_child(link, args, "router",
                          lambda: RouterManager(args, ports, link.heartbeat))
     run_loop("router process", router.loop)
