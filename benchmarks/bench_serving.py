@@ -345,10 +345,12 @@ async def _run_long_mix_http(base_url: str, endpoint: str, items: list[MixItem],
             bar.update()
             return res
 
+        wall_clock = time.time() - (time.perf_counter() - start)  # when `start` was
         results = await asyncio.gather(*(one(it) for it in items))
         wall = time.perf_counter() - start
     bar.close()
-    return summarize_long_mix(items, list(results), start, wall, gap_ms)
+    return {**summarize_long_mix(items, list(results), start, wall, gap_ms),
+            "start_wall_time": round(wall_clock, 4)}
 
 
 def _post(url: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
@@ -536,7 +538,7 @@ def main() -> None:
         "server_args": a.server_args,
         "server": {k: server_info.get(k) for k in ("attention_backend", "device", "dtype",
                                                    "tp_size", "max_total_num_tokens",
-                                                   "gc", "heap")},
+                                                   "gc", "heap", "slow_rounds")},
         "runs": rows,
     })
     print_table(rows, cols)

@@ -93,11 +93,11 @@ def main() -> None:
     mixed_s: list[float] = []
     real_launch = server.executor.launch
 
-    def timed_launch(plan: Any) -> Any:  # the steps after in-batch jumps, timed one by one
-        if plan.sample_rows is None:
-            return real_launch(plan)
+    def timed_launch(plan: Any, before_sample: Any = None) -> Any:  # the steps after in-batch
+        if plan.sample_rows is None:  # jumps, timed one by one
+            return real_launch(plan, before_sample)
         t = time.perf_counter()
-        step = real_launch(plan)
+        step = real_launch(plan, before_sample)
         step.wait()  # ends with the ids on the host (a later wait returns the same result)
         mixed_s.append(time.perf_counter() - t)
         return step

@@ -67,6 +67,26 @@ class LLGuidanceMatcher(BitmaskMatcher):
 
         fill_next_token_bitmask(self.inner, bitmask, row)
 
+    # llguidance's parallel fill runs the rows on its executor's threads; below this many
+    # rows the hand-off costs more than it saves.
+    BATCH_FILL_MIN_ROWS = 4
+    _executor: Any = None
+
+    @classmethod
+    def fill_bitmasks(cls, matchers: list[BitmaskMatcher], bitmask: "torch.Tensor",
+                      rows: list[int]) -> None:
+        if len(matchers) < cls.BATCH_FILL_MIN_ROWS:
+            super().fill_bitmasks(matchers, bitmask, rows)
+            return
+        import llguidance
+        from llguidance.torch import fill_next_token_bitmask_par
+
+        if cls._executor is None:
+            cls._executor = llguidance.LLExecutor()
+        fill_next_token_bitmask_par(
+            cls._executor, [(m.inner, row) for m, row in zip(matchers, rows)],  # type: ignore
+            bitmask)
+
 
 class LLGuidanceGrammar(CompiledGrammar):
     def __init__(self, tokenizer: Any, grammar: str, limits: Any,

@@ -43,8 +43,13 @@ class XGrammarMatcher(BitmaskMatcher):
     def __init__(self, grammar: "XGrammar", inner: Any) -> None:
         self.grammar = grammar
         self.inner = inner  # xgrammar.GrammarMatcher
-        self._dead_end_at: int | None = None  # accepted count when is_dead_end was True
         self.accepted = 0
+        # The mask row of the current state, once computed (by is_dead_end): the next step's
+        # mask needs the same row, so it is copied from here instead of filled again.
+        # `_version` changes with every change of state; `_row_at` is the version of `_row`.
+        self._version = 0
+        self._row: "torch.Tensor | None" = None
+        self._row_at = -1
 
     def is_stop_token(self, token: int) -> bool:
         return token in self.grammar.stop_ids
@@ -53,40 +58,42 @@ class XGrammarMatcher(BitmaskMatcher):
         if token in self.grammar.stop_ids or not self.inner.accept_token(token):
             return False
         self.accepted += 1
+        self._version += 1
         return True
 
     def rollback(self, n: int) -> None:
         if n:
             self.inner.rollback(n)
             self.accepted -= n
-            self._dead_end_at = None
+            self._version += 1
 
     def fork(self) -> "XGrammarMatcher":
         m = XGrammarMatcher(self.grammar, self.inner.fork())
         m.accepted = self.accepted
         return m
 
+    def _current_row(self) -> "torch.Tensor":
+        """[1, words] mask row of the current state (filled once per state)."""
+        if self._row_at != self._version:
+            if self._row is None:
+                import xgrammar as xgr
+
+                self._row = xgr.allocate_token_bitmask(1, self.grammar.vocab_size)
+            self.inner.fill_next_token_bitmask(self._row)
+            self._row_at = self._version
+        return self._row
+
     def is_dead_end(self) -> bool:
         if not self.inner.is_completed():
             return False
-        if self._dead_end_at == self.accepted:
-            return True
-        import torch
-
-        row = self.grammar.scratch_mask()
-        self.inner.fill_next_token_bitmask(row)
-        allowed = row.view(-1)
-        # Only stop tokens may follow: every word but theirs is zero.
-        stops = torch.zeros_like(allowed)
-        for t in self.grammar.stop_ids:
-            stops[t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
-        dead = bool(torch.equal(allowed, allowed & stops))
-        if dead:
-            self._dead_end_at = self.accepted
-        return dead
+        # Only stop tokens may follow: no bit outside theirs is set.
+        return not bool(self._current_row()[0].bitwise_and(self.grammar.non_stop_bits()).any())
 
     def fill_bitmask(self, bitmask: "torch.Tensor", row: int) -> None:
-        self.inner.fill_next_token_bitmask(bitmask, row)
+        if self._row_at == self._version:
+            bitmask[row].copy_(self._row[0])  # type: ignore[index]
+        else:
+            self.inner.fill_next_token_bitmask(bitmask, row)
 
     # xgrammar's batched fill runs the rows on its own threads (one pool per process); below
     # this many rows the hand-off costs more than it saves.
@@ -96,15 +103,23 @@ class XGrammarMatcher(BitmaskMatcher):
     @classmethod
     def fill_bitmasks(cls, matchers: list[BitmaskMatcher], bitmask: "torch.Tensor",
                       rows: list[int]) -> None:
-        if len(matchers) < cls.BATCH_FILL_MIN_ROWS:
-            super().fill_bitmasks(matchers, bitmask, rows)
+        todo: list[tuple[XGrammarMatcher, int]] = []
+        for m, row in zip(matchers, rows):
+            assert isinstance(m, XGrammarMatcher)
+            if m._row_at == m._version:  # computed already for this state
+                m.fill_bitmask(bitmask, row)
+            else:
+                todo.append((m, row))
+        if len(todo) < cls.BATCH_FILL_MIN_ROWS:
+            for m, row in todo:
+                m.fill_bitmask(bitmask, row)
             return
         if cls._batch is None:
             import xgrammar as xgr
 
             cls._batch = xgr.BatchGrammarMatcher(max_threads="auto")
         cls._batch.batch_fill_next_token_bitmask(
-            [m.inner for m in matchers], bitmask, rows)  # type: ignore[attr-defined]
+            [m.inner for m, _ in todo], bitmask, [row for _, row in todo])
 
     def forced_bytes(self) -> bytes:
         if self.inner.is_completed():  # the output may end here: nothing is forced
@@ -120,6 +135,19 @@ class XGrammar(CompiledGrammar):
         self.serial = next_serial()
         self.size = int(compiled.memory_size_bytes)
         self._scratch: Any = None
+        self._non_stop: Any = None
+
+    def non_stop_bits(self) -> "torch.Tensor":
+        """[words] int32: every token's bit set except the stop tokens'."""
+        if self._non_stop is None:
+            import torch
+
+            words = torch.full(((self.vocab_size + 31) // 32,), -1, dtype=torch.int32)
+            for t in self.stop_ids:
+                bit = 1 << (t % 32)
+                words[t // 32] &= ~(bit if bit < 2**31 else -(2**31))
+            self._non_stop = words
+        return self._non_stop
 
     def scratch_mask(self) -> "torch.Tensor":
         """A [1, words] bitmask for one-off checks (used by one thread at a time)."""

@@ -114,6 +114,7 @@ class ModelProcess:
              emit: Callable[[BatchTokenIdOut], None] | None = None) -> StepOutput:
         """One round. `emit` (rank 0 of a server): called with the outputs of each decode step
         but the last of the round, which go into the returned StepOutput with the rest."""
+        began, t0 = time.time(), time.perf_counter()
         outs: list[TokenOut] = []
         self._emit = emit
         if self.inflight is not None and (inp.aborts or inp.controls):
@@ -131,6 +132,7 @@ class ModelProcess:
             fill = select_fill(self.waiting, self.running, self.kv, self.args, self.rng,
                                self.ratio.value, prefix_limit, self.chunk_size)
         self._decode_turn = False
+        fill_tokens = sum(r.extend_input_len for r in fill)
         if fill:
             self._fill(fill, outs)
             # Without mixing, the running requests take a step before the next chunk.
@@ -146,6 +148,9 @@ class ModelProcess:
             time.sleep(0.001)  # only grammar compiles pending: do not spin the router at full speed
         if self.inflight is not None and not self.batch:
             self._resolve(outs)  # every request of it finished meanwhile
+        self.counters.slow_rounds.note(
+            began, time.perf_counter() - t0, "fill" if fill else "decode", fill_tokens,
+            len(self.running))
         maybe_log(self)
         return StepOutput(BatchTokenIdOut(outs) if outs else None, controls,
                           has_work=bool(self.batch or self.waiting))

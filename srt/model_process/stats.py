@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,32 @@ class Counters:
     timer: StepTimer = field(default_factory=StepTimer)
     last_log: float = field(default_factory=time.monotonic)
     generated_at_log: int = 0
+    slow_rounds: "SlowRounds" = field(default_factory=lambda: SlowRounds())
+
+
+@dataclass
+class SlowRounds:
+    """The longest rounds of the model loop (over `threshold_s`): when (wall clock), how long,
+    and what they did, to line up with the stalls clients see. Keeps the `keep` longest."""
+
+    threshold_s: float = 0.1
+    keep: int = 50
+    count: int = 0
+    rounds: list[tuple[float, float, str, int, int]] = field(default_factory=list)
+
+    def note(self, began: float, seconds: float, kind: str, fill_tokens: int,
+             running: int) -> None:
+        if seconds < self.threshold_s:
+            return
+        self.count += 1
+        heapq.heappush(self.rounds, (seconds, began, kind, fill_tokens, running))
+        if len(self.rounds) > self.keep:
+            heapq.heappop(self.rounds)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"threshold_ms": self.threshold_s * 1e3, "count": self.count, "longest": [
+            {"wall_time": round(b, 4), "ms": round(s * 1e3, 1), "kind": k, "fill_tokens": f,
+             "running": n} for s, b, k, f, n in sorted(self.rounds, reverse=True)]}
 
 
 def stats(p: ModelProcess) -> dict[str, Any]:
@@ -48,6 +75,7 @@ def stats(p: ModelProcess) -> dict[str, Any]:
         "jump_forward_batch_steps": c.mixed_steps,
         "overlapped_decode_steps": c.overlapped_steps,
         "mixed_fill_steps": c.mixed_fills,
+        "slow_rounds": c.slow_rounds.snapshot(),
         "prefill_chunks": c.prefill_chunks,
         "chunked_prefill_size": p.chunk_size or -1,
         "overlap_schedule": p.overlap,

@@ -417,6 +417,9 @@ def test_get_server_info(server: Any) -> None:
     assert gcs["frozen_objects"] > 10_000, gcs
     assert len(gcs["collections"]) == 3 and min(gcs["collections"]) >= 0, gcs
     assert gcs["pause_ms_max"] >= 0 and len(gcs["pause_ms_total"]) == 3, gcs
+    assert info["slow_rounds"]["threshold_ms"] == 100.0
+    assert info["slow_rounds"]["count"] == len(info["slow_rounds"]["longest"]) or \
+        len(info["slow_rounds"]["longest"]) == 50
 
 
 def test_flush_cache_when_idle(server: Any) -> None:

@@ -81,15 +81,18 @@ def test_closed_objects_leave_names_and_data_alone() -> None:
     assert out["$defs"]["d"]["additionalProperties"] is False
 
 
-def test_xgrammar_batched_mask_fill_equals_row_by_row(smollm2_tokenizer) -> None:
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_batched_mask_fill_equals_row_by_row(smollm2_tokenizer, backend: str) -> None:
     import torch
 
     from srt.constrained.grammar import ConstraintSpec
+    from srt.constrained.llguidance_backend import LLGuidanceMatcher
     from srt.constrained.registry import create_grammar_backend
     from srt.constrained.xgrammar_backend import XGrammarMatcher
 
     tok = smollm2_tokenizer
-    be = create_grammar_backend("xgrammar", tok, tok.eos_token_id, len(tok), 8)
+    be = create_grammar_backend(backend, tok, tok.eos_token_id, len(tok), 8)
+    cls = XGrammarMatcher if backend == "xgrammar" else LLGuidanceMatcher
     regex = be.compile(ConstraintSpec("regex", "[a-z ,.]+")).result()
     obj = be.compile(ConstraintSpec("json_schema", json.dumps(
         {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}))).result()
@@ -98,12 +101,45 @@ def test_xgrammar_batched_mask_fill_equals_row_by_row(smollm2_tokenizer) -> None
         assert m.accept(tok.encode("hello")[0])
     masks = be.mask_builder(len(tok), torch.device("cpu"))
     batched = masks.batch(matchers).clone()
-    saved = XGrammarMatcher.BATCH_FILL_MIN_ROWS
-    XGrammarMatcher.BATCH_FILL_MIN_ROWS = 10**9
+    saved = cls.BATCH_FILL_MIN_ROWS
+    cls.BATCH_FILL_MIN_ROWS = 10**9
     try:
         one_by_one = masks.batch(matchers).clone()
     finally:
-        XGrammarMatcher.BATCH_FILL_MIN_ROWS = saved
+        cls.BATCH_FILL_MIN_ROWS = saved
     assert torch.equal(batched, one_by_one)
     assert not batched[-1].any()  # the unconstrained row forbids nothing
     assert batched[0].sum() != batched[1].sum()  # the rows differ by grammar and state
+
+
+def test_xgrammar_dead_end_and_its_cached_mask_row(smollm2_tokenizer) -> None:
+    """is_dead_end fills the current state's mask row; the next mask copies it. Rows copied
+    from the cache equal fresh fills, and any change of state (accept, rollback) refills."""
+    import torch
+
+    from srt.constrained.grammar import ConstraintSpec
+    from srt.constrained.registry import create_grammar_backend
+
+    tok = smollm2_tokenizer
+    be = create_grammar_backend("xgrammar", tok, tok.eos_token_id, len(tok), 8)
+    g = be.compile(ConstraintSpec("regex", "(yes|no)( indeed)?")).result()
+    fresh = g.matcher()
+    cached = g.matcher()
+    masks = be.mask_builder(len(tok), torch.device("cpu"))
+
+    def same_masks() -> None:
+        assert torch.equal(masks.batch([cached]).clone(), masks.batch([fresh]).clone())
+
+    for text in ["yes", " indeed"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        for t in ids:
+            assert cached.accept(t) and fresh.accept(t)
+            cached.is_dead_end()  # fills the row of this state
+            same_masks()
+    assert cached.is_dead_end() and fresh.is_dead_end()  # "yes indeed": only the end follows
+    cached.rollback(len(tok.encode(" indeed", add_special_tokens=False)))
+    fresh.rollback(len(tok.encode(" indeed", add_special_tokens=False)))
+    assert not cached.is_dead_end()  # "yes": complete, but " indeed" may follow
+    same_masks()
+    allowed = ~masks.batch([cached])[0]
+    assert allowed[tok.eos_token_id] and allowed.sum() > 1
