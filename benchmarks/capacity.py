@@ -501,6 +501,7 @@ class SimResult:
     itl_p50_ms: float
     itl_p99_ms: float
     hit_rate: float  # requests whose tenant prefix was cached, over those that have one
+    ttft_mean_ms: float = math.nan
     meets: bool = False
 
 
@@ -543,7 +544,8 @@ def simulate(curve: ReplicaCurve, workload: Workload, policy: str, replicas: int
     hit_rate = stats.prefix_hits / stats.prefix_requests if stats.prefix_requests else 0.0
     return SimResult(policy, replicas, weighted_percentile(ttft, 50), weighted_percentile(ttft, 99),
                      weighted_percentile(stats.itl_ms, 50), weighted_percentile(stats.itl_ms, 99),
-                     hit_rate)
+                     hit_rate, sum(stats.ttft_ms) / len(stats.ttft_ms) if stats.ttft_ms
+                     else math.nan)
 
 
 # ---------------------------------------------------------------------------------------------

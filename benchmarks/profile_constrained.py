@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest captured decode batch (default: the server's; the step after "
                    "a jump has a row per new id)")
+    p.add_argument("--grammar-backend", default="xgrammar",
+                   choices=["xgrammar", "llguidance", "outlines"])
     p.add_argument("--out", default=None)
     a = p.parse_args()
 
@@ -65,6 +67,7 @@ def main() -> None:
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     args = ServerArgs(model_path=path, tokenizer_path=path, load_format="dummy", dtype=dtype,
                       disable_cuda_graph=a.disable_cuda_graph, random_seed=0,
+                      grammar_backend=a.grammar_backend,
                       **({"cuda_graph_max_bs": a.cuda_graph_max_bs}
                          if a.cuda_graph_max_bs else {}))
     server = ModelProcess(args, 0, None)

@@ -73,6 +73,12 @@ class Matcher(ABC):
     def is_dead_end(self) -> bool:
         """The output is complete and nothing but a stop token may follow."""
 
+    @classmethod
+    def prefetch(cls, matchers: list["Matcher"]) -> None:
+        """Get ready for `is_dead_end` and the next mask of each of `matchers` (all of this
+        class, after a step's tokens were accepted) at once, e.g. their mask rows on several
+        threads. The default does nothing: each matcher answers on its own."""
+
     @abstractmethod
     def forced_bytes(self) -> bytes:
         """Bytes every continuation starts with: b"" where the output may end here or there is a

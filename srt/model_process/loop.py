@@ -340,7 +340,8 @@ class ModelProcess:
                 if r.sampling_params.max_new_tokens == 0 and not r.output_ids:
                     r.end(FinishReason.of_length(0))
                     continue
-            self.output.append(r, tok, out_lp)
+            self.output.append(r, tok, out_lp, dead_end=False)
+        self.output.finish_dead_ends(live)
         if then is not None:
             gone = [i for i, r in enumerate(then.reqs) if r.finished]
             if gone:

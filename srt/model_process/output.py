@@ -24,9 +24,12 @@ class OutputProcessor:
             ids |= self.eos_ids
         return ids
 
-    def append(self, req: Req, tok: int, logprob: TokenLogprobs | None = None) -> None:
+    def append(self, req: Req, tok: int, logprob: TokenLogprobs | None = None,
+               dead_end: bool = True) -> None:
         """Append one output id and finish the request if it ends here: the grammar (its EOS, a
-        token outside it, a completed pattern), stop ids, stop strings / regexes, the length."""
+        token outside it, a completed pattern), stop ids, stop strings / regexes, the length.
+        `dead_end=False` leaves the completed-pattern check to a later `finish_dead_ends` over
+        the whole step (which prefetches the matchers' next masks together)."""
         req.output_ids.append(tok)
         if logprob is not None:
             req.output_logprobs.extend(logprob)
@@ -58,9 +61,23 @@ class OutputProcessor:
                     return
         if len(req.output_ids) >= p.max_new_tokens:
             req.end(FinishReason.of_length(len(req.output_ids)))
-        elif req.matcher is not None and req.matcher.is_dead_end():
+        elif dead_end and req.matcher is not None and req.matcher.is_dead_end():
             # The pattern is complete and nothing may follow: done without sampling EOS.
             req.end(FinishReason.stop(None))
+
+    @staticmethod
+    def finish_dead_ends(reqs: list[Req]) -> None:
+        """The completed-pattern check that `append(..., dead_end=False)` left out, for every
+        unfinished constrained request of `reqs`; each backend first prefetches its matchers."""
+        groups: dict[type, list[Any]] = {}
+        for r in reqs:
+            if not r.finished and r.matcher is not None:
+                groups.setdefault(type(r.matcher), []).append(r.matcher)
+        for cls, ms in groups.items():
+            cls.prefetch(ms)
+        for r in reqs:
+            if not r.finished and r.matcher is not None and r.matcher.is_dead_end():
+                r.end(FinishReason.stop(None))
 
     def due(self, req: Req) -> bool:
         """A streamed request has at least its stream interval of unsent ids."""

@@ -68,6 +68,7 @@ def stats(p: ModelProcess) -> dict[str, Any]:
         "num_running_reqs": len(p.running),
         "num_waiting_reqs": len(p.waiting),
         "num_prefilling_reqs": sum(r.prefilling for r in p.waiting),
+        "num_requests_total": p.arrivals,  # requests received since start
         "cache_hit_rate": c.cached_tokens / max(1, c.prompt_tokens),
         "retracted_reqs": c.retracted,
         "jump_forwards": p.constraints.jumps,
