@@ -103,6 +103,7 @@ class ReplicaCurve:
     prefill_tok_per_s: float
     cache_tokens: int | None  # None: unlimited
     sources: tuple[str, ...]
+    prefill_overhead_ms: float = 0.0  # fixed cost of one prefill batch (a fully cached prompt)
 
 
 def _point(rate: float, out_tok_per_s: float, ttft: tuple[float, float], itl: tuple[float, float],
@@ -156,7 +157,8 @@ def _points_from_plain(doc: dict[str, Any]) -> list[CurvePoint]:
 
 def curve_from_docs(docs: Sequence[tuple[str, dict[str, Any]]],
                     prefill_tok_per_s: float | None = None,
-                    cache_tokens: int | None = None) -> ReplicaCurve:
+                    cache_tokens: int | None = None,
+                    prefill_overhead_ms: float | None = None) -> ReplicaCurve:
     """Merge the points of several parsed files (name, document) into one replica's curve.
 
     Explicit arguments win over the files; explicit values in plain files must agree; bench
@@ -167,9 +169,12 @@ def curve_from_docs(docs: Sequence[tuple[str, dict[str, Any]]],
     explicit_prefill: set[float] = set()
     estimates: list[float] = []
     caches: list[int] = []
+    overheads: list[float] = []
     for name, doc in docs:
         if "points" in doc:
             points += _points_from_plain(doc)
+            if "prefill_overhead_ms" in doc:
+                overheads.append(float(doc["prefill_overhead_ms"]))
             if "prefill_tok_per_s" in doc:
                 explicit_prefill.add(float(doc["prefill_tok_per_s"]))
             if doc.get("cache_tokens") is not None:
@@ -195,18 +200,23 @@ def curve_from_docs(docs: Sequence[tuple[str, dict[str, Any]]],
         raise ValueError("no prefill speed: give prefill_tok_per_s or --prefill-tok-per-s")
     if cache_tokens is None and caches:
         cache_tokens = min(caches)
+    if prefill_overhead_ms is None:
+        prefill_overhead_ms = max(overheads, default=0.0)
+    if prefill_overhead_ms < 0:
+        raise ValueError("prefill_overhead_ms must be >= 0")
     return ReplicaCurve(tuple(sorted(points, key=lambda p: p.rate)), float(prefill_tok_per_s),
-                        cache_tokens, tuple(name for name, _ in docs))
+                        cache_tokens, tuple(name for name, _ in docs), prefill_overhead_ms)
 
 
 def load_curve(paths: Sequence[str], prefill_tok_per_s: float | None = None,
-               cache_tokens: int | None = None) -> ReplicaCurve:
+               cache_tokens: int | None = None,
+               prefill_overhead_ms: float | None = None) -> ReplicaCurve:
     """Read curve files (bench_serving output or plain curves; see the module docstring)."""
     docs = []
     for path in paths:
         with open(path) as f:
             docs.append((path, json.load(f)))  # bench_serving writes Infinity for rate inf
-    return curve_from_docs(docs, prefill_tok_per_s, cache_tokens)
+    return curve_from_docs(docs, prefill_tok_per_s, cache_tokens, prefill_overhead_ms)
 
 
 class DecodeStepModel:
@@ -369,9 +379,11 @@ class Replica:
     """
 
     def __init__(self, decode: DecodeStepModel, prefill_tok_per_s: float,
-                 cache_tokens: int | None, cfg: SimConfig, stats: SimStats) -> None:
+                 cache_tokens: int | None, cfg: SimConfig, stats: SimStats,
+                 prefill_overhead_s: float = 0.0) -> None:
         self.decode = decode
         self.prefill_tok_per_s = prefill_tok_per_s
+        self.prefill_overhead_s = prefill_overhead_s
         self.cfg = cfg
         self.stats = stats
         self.cache = PrefixLRU(cache_tokens)
@@ -416,7 +428,7 @@ class Replica:
                 self.cache.touch(req.prefix_key, req.shared_len)
             batch.append(req)
             tokens += n
-        self.clock += tokens / self.prefill_tok_per_s
+        self.clock += self.prefill_overhead_s + tokens / self.prefill_tok_per_s
         joined = 0
         for req in batch:
             self.stats.ttft_ms.append((self.clock - req.arrival) * 1e3)
@@ -526,8 +538,8 @@ def simulate(curve: ReplicaCurve, workload: Workload, policy: str, replicas: int
     """Run the workload through `replicas` replicas behind `policy`; all requests count."""
     decode = DecodeStepModel(curve.points)
     stats = SimStats([], [])
-    pool = [Replica(decode, curve.prefill_tok_per_s, curve.cache_tokens, cfg, stats)
-            for _ in range(replicas)]
+    pool = [Replica(decode, curve.prefill_tok_per_s, curve.cache_tokens, cfg, stats,
+                    curve.prefill_overhead_ms / 1e3) for _ in range(replicas)]
     if policy == "round_robin":
         router: RoundRobinRouter | CacheAwareRouter = RoundRobinRouter(replicas)
     elif policy == "cache_aware":
@@ -574,8 +586,8 @@ class Prediction:
 
 def unloaded_floor(curve: ReplicaCurve, workload: Workload) -> tuple[float, float]:
     """(TTFT p99, ITL) of an idle replica with every prefix cached: no target can beat these."""
-    prefill = [(max(1, c.prompt_len - workload.shared_len(c)) / curve.prefill_tok_per_s * 1e3,
-                c.weight) for c in workload.mix]
+    prefill = [(max(1, c.prompt_len - workload.shared_len(c)) / curve.prefill_tok_per_s * 1e3
+                + curve.prefill_overhead_ms, c.weight) for c in workload.mix]
     return weighted_percentile(prefill, 99), DecodeStepModel(curve.points).step_ms(1)
 
 
@@ -583,6 +595,7 @@ def min_replicas(curve: ReplicaCurve, workload: Workload) -> int:
     """Smallest count whose utilization is below 1 with every prefix cached (best case)."""
     total = sum(c.weight for c in workload.mix)
     token_s = DecodeStepModel(curve.points).min_ms_per_token() / 1e3
+    # (the fixed prefill cost is shared by a batch: left out of this best case)
     per_req_s = sum(c.weight / total * (
         max(1, c.prompt_len - workload.shared_len(c)) / curve.prefill_tok_per_s
         + (c.output_len - 1) * token_s) for c in workload.mix)
@@ -641,6 +654,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override the curve's prefill speed")
     p.add_argument("--cache-tokens", type=int, default=None,
                    help="prefix-cache capacity per replica (default: the curve's)")
+    p.add_argument("--prefill-overhead-ms", type=float, default=None,
+                   help="fixed cost of one prefill batch, e.g. the TTFT of a fully cached "
+                   "prompt on an idle replica (default: the curve's, else 0)")
     p.add_argument("--max-prefill-tokens", type=int, default=SimConfig.max_prefill_tokens)
     p.add_argument("--cache-threshold", type=float, default=SimConfig.cache_threshold)
     p.add_argument("--balance-abs-threshold", type=int, default=SimConfig.balance_abs_threshold)
@@ -652,12 +668,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    curve = load_curve(a.curves, a.prefill_tok_per_s, a.cache_tokens)
+    curve = load_curve(a.curves, a.prefill_tok_per_s, a.cache_tokens, a.prefill_overhead_ms)
     workload = Workload(a.rate, parse_mix(a.mix), a.prefix_share, a.tenants, a.num_requests, a.seed)
     target = Target(a.ttft_p99_ms, a.itl_p99_ms)
     cfg = SimConfig(a.max_prefill_tokens, a.cache_threshold, a.balance_abs_threshold,
                     a.balance_rel_threshold)
-    print(f"measured curve (prefill {curve.prefill_tok_per_s:.0f} tok/s, "
+    print(f"measured curve (prefill {curve.prefill_tok_per_s:.0f} tok/s + "
+          f"{curve.prefill_overhead_ms:.1f} ms per batch, "
           f"prefix cache {curve.cache_tokens or 'unlimited'} tokens per replica):")
     print(_table([asdict(p) for p in curve.points], list(CurvePoint.__dataclass_fields__)))
     policies = POLICIES if a.policy == "both" else (a.policy,)

@@ -13,9 +13,10 @@ on a CPU SmolLM2-135M in float32, `--threads` torch threads each) get a KV pool 
 prompts: then round robin keeps evicting them and cache-aware routing, which pins each tenant to
 one worker, should not.
 
-Before the routed runs one worker is measured alone, to give the model its inputs: the prefill
-speed (prompt tokens over the TTFT of unique prompts, one at a time), the decode step with one
-and with four streams, and the pool size as the cache capacity. Then, per policy: the gateway is
+Before the routed runs one worker is measured alone, to give the model its inputs: the fixed
+cost of a prefill (the TTFT of a prompt sent a second time, all cached but its last token), the
+prefill speed (prompt tokens over the rest of the TTFT of unique prompts, one at a time), the
+decode step with one and with four streams, and the pool size as the cache capacity. Then, per policy: the gateway is
 started (`python -m sglang_router launch --policy P --worker-urls ...`, from the folder
 scripts/sglang_clients.sh fills), both workers' caches are flushed, the workload goes through the
 gateway, and the gateway is stopped.
@@ -120,19 +121,26 @@ async def run_workload(base_url: str, specs: list[RequestSpec], times: list[floa
 def calibrate(url: str, prompts: list[str], output_len: int) -> dict[str, Any]:
     """One worker alone: prefill speed from unique prompts one at a time, the decode step with
     one stream and with four."""
-    singles = [asyncio.run(run_workload(url, [RequestSpec(p, output_len)], [0.0]))[0]
-               for p in prompts[:3]]
+    def one(p: str) -> RequestResult:
+        return asyncio.run(run_workload(url, [RequestSpec(p, output_len)], [0.0]))[0]
+
+    singles = [one(p) for p in prompts[:3]]
+    repeats = [one(p) for p in prompts[:3]]  # the same prompts again: all but one token cached
     four = asyncio.run(run_workload(url, [RequestSpec(p, output_len) for p in prompts[3:7]],
                                     [0.0] * 4))
-    for r in singles + four:
+    for r in singles + repeats + four:
         if not r.ok:
             raise RuntimeError(f"calibration request failed: {r.error}")
-    ttft = [r.ttft for r in singles]
-    prefill = float(np.median([r.prompt_tokens / r.ttft for r in singles]))
+    overhead = float(np.median([r.ttft for r in repeats]))  # a prefill of (almost) nothing
+    prefill = float(np.median([r.prompt_tokens / max(r.ttft - overhead, 1e-6)
+                               for r in singles]))
     step1 = float(np.median([x for r in singles for x in r.itl])) * 1e3
     step4 = float(np.median([x for r in four for x in r.itl])) * 1e3
-    return {"prompt_tokens": singles[0].prompt_tokens, "ttft_ms": [t * 1e3 for t in ttft],
-            "prefill_tok_per_s": prefill, "step_ms_1": step1, "step_ms_4": step4}
+    return {"prompt_tokens": singles[0].prompt_tokens,
+            "ttft_ms": [r.ttft * 1e3 for r in singles],
+            "cached_ttft_ms": [r.ttft * 1e3 for r in repeats],
+            "prefill_overhead_ms": overhead * 1e3, "prefill_tok_per_s": prefill,
+            "step_ms_1": step1, "step_ms_4": step4}
 
 
 def curve_doc(cal: dict[str, Any], cache_tokens: int) -> dict[str, Any]:
@@ -144,7 +152,8 @@ def curve_doc(cal: dict[str, Any], cache_tokens: int) -> dict[str, Any]:
                 "step_ms": step, "itl_mean_ms": step}
     return {"points": [point(1, cal["step_ms_1"]), point(4, max(cal["step_ms_4"],
                                                                  cal["step_ms_1"]))],
-            "prefill_tok_per_s": cal["prefill_tok_per_s"], "cache_tokens": cache_tokens}
+            "prefill_tok_per_s": cal["prefill_tok_per_s"],
+            "prefill_overhead_ms": cal["prefill_overhead_ms"], "cache_tokens": cache_tokens}
 
 
 class Gateway:

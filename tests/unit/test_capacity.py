@@ -192,3 +192,26 @@ def test_simulation_is_deterministic_for_a_seed() -> None:
     a = simulate(synthetic(8000), w, "cache_aware", 3, SimConfig())
     b = simulate(synthetic(8000), w, "cache_aware", 3, SimConfig())
     assert a == b
+
+
+def test_prefill_overhead_is_paid_once_per_prefill_batch() -> None:
+    """A lone request's TTFT is the fixed prefill cost plus its tokens at the prefill speed;
+    the floor and a plain curve file's `prefill_overhead_ms` carry it too."""
+    from dataclasses import replace
+
+    from benchmarks.capacity import unloaded_floor
+
+    base = synthetic()
+    slow = replace(base, prefill_overhead_ms=50.0)
+    one = Workload(0.01, (MixClass(1.0, 2000, 2),), num_requests=3, seed=0)  # far apart
+    a, b = simulate(base, one, "round_robin", 1), simulate(slow, one, "round_robin", 1)
+    assert a.ttft_mean_ms == pytest.approx(2000 / PREFILL * 1e3)
+    assert b.ttft_mean_ms == pytest.approx(a.ttft_mean_ms + 50.0)
+    assert unloaded_floor(slow, one)[0] == pytest.approx(unloaded_floor(base, one)[0] + 50.0)
+    doc = {"prefill_tok_per_s": PREFILL, "prefill_overhead_ms": 7.5, "points": [
+        {"rate": 1, "ttft_p50_ms": 30, "ttft_p99_ms": 60, "itl_p50_ms": 10, "itl_p99_ms": 20,
+         "out_tok_per_s": 250}]}
+    assert curve_from_docs([("x", doc)]).prefill_overhead_ms == 7.5
+    assert curve_from_docs([("x", doc)], prefill_overhead_ms=1.0).prefill_overhead_ms == 1.0
+    with pytest.raises(ValueError):
+        curve_from_docs([("x", doc)], prefill_overhead_ms=-1.0)
