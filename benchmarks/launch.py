@@ -47,14 +47,23 @@ class LaunchedServer:
 
     def stop(self) -> None:
         """SIGTERM (the server stops its children), then SIGKILL to the group after 30 s."""
-        if self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
+        stop_process(self.proc, 30.0, group=False)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 20.0, group: bool = True) -> None:
+    """SIGTERM to the process (to its whole process group with `group`), then SIGKILL to the
+    group if it is still there after `timeout` seconds. A process that has exited is left be."""
+    if proc.poll() is not None:
+        return
+    if group:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
 
 
 def launch_server(model_path: str, kwargs: dict[str, Any], port: int, log_path: str,

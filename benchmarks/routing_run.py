@@ -34,7 +34,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -57,7 +56,7 @@ from benchmarks.capacity import (  # noqa: E402
     simulate,
 )
 from benchmarks.common import hardware, print_table, write_json  # noqa: E402
-from benchmarks.launch import launch_server  # noqa: E402
+from benchmarks.launch import launch_server, stop_process  # noqa: E402
 from benchmarks.serving_client import RequestResult, RequestSpec, send_request  # noqa: E402
 
 POLICIES = ("cache_aware", "round_robin")
@@ -188,13 +187,7 @@ class Gateway:
         raise RuntimeError(f"gateway not up after {timeout} s; log {self.log_path}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        stop_process(self.proc)
 
 
 def measured_row(policy: str, results: list[RequestResult], system_tokens: int,

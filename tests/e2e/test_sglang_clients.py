@@ -20,6 +20,7 @@ import openai
 import pytest
 import requests
 
+from benchmarks.launch import stop_process
 from tests.conftest import BASE_ARGS, ServerProcess, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -156,13 +157,7 @@ class Gateway:
         raise AssertionError(f"gateway not serving after {timeout} s:\n{self.log()[-4000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        stop_process(self.proc)
 
 
 @pytest.fixture(scope="module")
