@@ -202,9 +202,10 @@ def prepare_args(args: ServerArgs) -> ServerArgs:
 
         args = dataclasses.replace(args, model_path=ensure_default_model())
     args = args.resolve()
-    from srt.model_config import check_tp_size
+    from srt.model_config import check_quantization, check_tp_size
 
     check_tp_size(args.model_path, args.tp_size)
+    check_quantization(args.model_path, args.quantization)
     return args
 
 

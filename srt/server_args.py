@@ -44,6 +44,10 @@ class ServerArgs:
     )
     load_format: str = _f("auto", "auto/safetensors read the checkpoint; dummy uses random "
                           "weights (benchmarks).", ("auto", "safetensors", "dummy"))
+    quantization: str | None = _f(
+        None, "Weight quantization. fp8: the linear layers of the language model quantized to "
+        "FP8 (e4m3) at load, one scale per output channel, activations per token (GPU: "
+        "torch._scaled_mm on Hopper or newer; CPU: dequantized per product).", ("fp8",))
     attention_backend: str = _f(
         "auto", "Attention implementation; auto picks triton on a GPU (its decode measured "
         "faster than flashinfer's; with flashinfer installed, its prefill for EXTEND steps), and "

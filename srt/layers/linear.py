@@ -3,6 +3,8 @@ the full checkpoint tensor while loading, so no rank keeps a full copy.
 
 Column-parallel: output features split across ranks. Row-parallel: input features split, outputs
 all-reduced. QKV and gate/up are merged column-parallel layers whose loaders place each part.
+With `--quantization fp8` each rank's loaded shard is then quantized (`srt/layers/fp8.py`): the
+layer's `fp8` holds the FP8 weight and its scales and `weight` is gone.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.layers import parallel_state as ps
+from srt.layers.fp8 import Fp8Weight
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -29,12 +32,16 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
         )
+        self.fp8: Fp8Weight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         n = self.out_per_rank
         param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            out = self.fp8.matmul(x)
+            return out + self.bias if self.bias is not None else out
         return F.linear(x, self.weight, self.bias)
 
 
@@ -91,6 +98,7 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _divide(in_features, self.tp_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.fp8: Fp8Weight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param is self.bias:
@@ -100,6 +108,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = ps.all_reduce(F.linear(x, self.weight))
+        out = ps.all_reduce(self.fp8.matmul(x) if self.fp8 is not None
+                            else F.linear(x, self.weight))
         # Bias after the reduction, so it is added once rather than once per rank.
         return out + self.bias if self.bias is not None else out

@@ -42,6 +42,8 @@ class RunnerInfo:
     max_running_requests: int
     kv_gb: float
     weight_gb: float
+    quantization: str | None = None  # of the weights (None: the model dtype)
+    kv_cache_dtype: str = ""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -152,6 +154,8 @@ class ModelRunner:
             max_running_requests=self.max_running_requests,
             kv_gb=self.max_total_num_tokens * self.token_to_kv_pool.bytes_per_token / 1e9,
             weight_gb=self.weight_bytes / 1e9,
+            quantization=self.args.quantization,
+            kv_cache_dtype=str(self.dtype).replace("torch.", ""),
         )
 
     def _load_model(self) -> torch.nn.Module:
@@ -167,6 +171,12 @@ class ModelRunner:
             init_dummy_weights(model, seed=self.args.random_seed or 0)
         else:
             model.load_weights(iterate_safetensors(self.config.path))
+        if self.args.quantization == "fp8":
+            from srt.layers.fp8 import quantize_model_fp8
+
+            n = quantize_model_fp8(model)
+            logger.info("quantization fp8: %d linear layers in FP8 e4m3 (per-channel weight "
+                        "scales, per-token activation scales)", n)
         return model.eval()
 
     def _pool_tokens(self, bytes_per_token: int) -> int:

@@ -44,10 +44,11 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> 
     def ready_info(server: ModelProcess) -> dict[str, Any]:
         info = server.runner.info()
         logger.info(
-            "model %s (%s) on %s, dtype %s, attention %s; weights %.2f GB; KV pool %d tokens "
-            "(%.2f GB); up to %d running requests; context length %d",
+            "model %s (%s) on %s, dtype %s, quantization %s, attention %s; weights %.2f GB; "
+            "KV pool %d tokens of %s (%.2f GB); up to %d running requests; context length %d",
             args.model_path, server.config.architecture, info.device, info.dtype,
-            info.attention_backend, info.weight_gb, info.max_total_num_tokens, info.kv_gb,
+            info.quantization or "none", info.attention_backend, info.weight_gb,
+            info.max_total_num_tokens, info.kv_cache_dtype, info.kv_gb,
             info.max_running_requests, server.config.context_len,
         )
         return {
@@ -59,6 +60,8 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> 
             "image_size": server.config.image_size,
             "device": info.device,
             "dtype": info.dtype,
+            "quantization": info.quantization,
+            "kv_cache_dtype": info.kv_cache_dtype,
             "attention_backend": info.attention_backend,
             "weight_bytes_per_rank": server.runner.weight_bytes,
             "cuda_graph": server.runner.graph_runner is not None,

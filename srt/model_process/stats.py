@@ -83,6 +83,8 @@ def stats(p: ModelProcess) -> dict[str, Any]:
         "max_running_requests": info.max_running_requests,
         "device": info.device,
         "dtype": info.dtype,
+        "quantization": info.quantization,
+        "kv_cache_dtype": info.kv_cache_dtype,
         "attention_backend": info.attention_backend,
         "context_length": p.config.context_len,
         "tp_size": p.args.tp_size,
