@@ -92,6 +92,15 @@ def checkpoints(tmp_path_factory: Any) -> Any:
     return get
 
 
+def start_fails(path: str) -> subprocess.CompletedProcess:
+    """Run the server on `path` to its exit (for checkpoints it must refuse at start-up)."""
+    return subprocess.run(
+        [sys.executable, "-m", "srt.server", "--model-path", path, "--device", "cpu",
+         "--port", "0", "--max-total-tokens", "256"],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+        env=dict(os.environ, PYTHONPATH=REPO))
+
+
 def _serve(path: str, *extra: str) -> ServerProcess:
     return ServerProcess(["--model-path", path, "--device", "cpu", "--dtype", "float32",
                           "--random-seed", "0", "--max-total-tokens", "512", *extra]).start()
@@ -160,12 +169,7 @@ def test_unsupported_architecture_is_a_startup_error(checkpoints: Any,
     cfg["architectures"] = ["FooForCausalLM"]
     with open(os.path.join(bad, "config.json"), "w") as f:
         json.dump(cfg, f)
-    proc = subprocess.run(
-        [sys.executable, "-m", "srt.server", "--model-path", bad, "--device", "cpu",
-         "--port", "0", "--max-total-tokens", "256"],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
-        env=dict(os.environ, PYTHONPATH=REPO),
-    )
+    proc = start_fails(bad)
     assert proc.returncode != 0
     assert ("unsupported architecture 'FooForCausalLM'; supported: LlamaForCausalLM, "
             "LlavaForConditionalGeneration, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"

@@ -9,15 +9,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
 
-from tests.conftest import REPO
-from tests.e2e.test_models import NEW_TOKENS, PROMPTS, SMALL, Reference, _check, _serve
+from tests.e2e.test_models import NEW_TOKENS, PROMPTS, SMALL, Reference, _check, _serve, \
+    start_fails
 from tests.random_models import save_random_model
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output rows
@@ -90,11 +88,7 @@ def test_a_checkpoint_in_an_unloadable_format_is_refused(llama: str, tmp_path: A
     cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
     with open(os.path.join(bad, "config.json"), "w") as f:
         json.dump(cfg, f)
-    proc = subprocess.run(
-        [sys.executable, "-m", "srt.server", "--model-path", bad, "--device", "cpu",
-         "--port", "0", "--max-total-tokens", "256"],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
-        env=dict(os.environ, PYTHONPATH=REPO))
+    proc = start_fails(bad)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "quantized with quant_method 'awq'" in proc.stderr
     assert "which srt cannot load" in proc.stderr
