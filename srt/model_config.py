@@ -155,29 +155,9 @@ def check_tp_size(path: str, tp_size: int) -> None:
         )
 
 
-# Quantized checkpoint formats srt loads (none yet: `--quantization fp8` quantizes a bf16 /
-# fp16 / fp32 checkpoint at load instead).
-LOADABLE_QUANT_METHODS: frozenset[str] = frozenset()
+def check_quantization(path: str) -> None:
+    """Refuse a pre-quantized checkpoint srt cannot load, naming its method (from config.json
+    alone, before any process starts; srt/layers/quant_config.py)."""
+    from srt.layers.quant_config import checkpoint_quant
 
-
-def checkpoint_quant_method(path: str) -> str | None:
-    """The `quantization_config.quant_method` of config.json (or its text config), if any."""
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    for c in (cfg, cfg.get("text_config") or {}):
-        qc = c.get("quantization_config")
-        if qc:
-            return str(qc.get("quant_method") or "unknown")
-    return None
-
-
-def check_quantization(path: str, quantization: str | None) -> None:
-    """Refuse a pre-quantized checkpoint srt cannot load, naming its method, and a
-    --quantization asked of a checkpoint that is already quantized (from config.json alone)."""
-    method = checkpoint_quant_method(path)
-    if method is None or method in LOADABLE_QUANT_METHODS:
-        return
-    hint = ("; --quantization fp8 quantizes an unquantized (bf16/fp16/fp32) checkpoint "
-            "at load") if quantization is None else ""
-    raise ValueError(f"the checkpoint is quantized with quant_method {method!r} "
-                     f"(config.json quantization_config), which srt cannot load{hint}")
+    checkpoint_quant(path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -82,27 +83,75 @@ def _scaled_mm_ok(x: torch.Tensor, q: torch.Tensor) -> bool:
 _KEEP = ("vision_tower", "multi_modal_projector", "lm_head", "embed")
 
 
-def quantize_model_fp8(model: nn.Module) -> int:
-    """Quantize every tensor-parallel linear layer of the language model in place (each rank
-    its shard); returns how many. The layers then compute through their `fp8` weight."""
+def _linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, layer) of every tensor-parallel linear layer of the language model still in the
+    model dtype."""
     from srt.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-    count = 0
-    moe = False
     for name, module in model.named_modules():
         if any(k in name for k in _KEEP):
             continue
-        if type(module).__name__ == "FusedMoE":
-            moe = True
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.fp8 is None:
-            q, scale = quantize_per_channel(module.weight.data)
-            module.qweight = nn.Parameter(q, requires_grad=False)
-            module.weight_scale = nn.Parameter(scale, requires_grad=False)
-            module.fp8 = Fp8Weight(module.qweight.data, module.weight_scale.data)
-            del module.weight  # the model-dtype copy goes
-            module.weight = None
-            count += 1
-    if moe:
-        logger.warning("--quantization fp8: the experts of the mixture-of-experts layers stay "
-                       "in the model dtype (no FP8 expert kernel yet); attention is FP8")
+            yield name, module
+
+
+def _set_fp8(module: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Give the layer FP8 parameters `qweight` and `weight_scale` in place of `weight`."""
+    module.qweight = nn.Parameter(q, requires_grad=False)
+    module.weight_scale = nn.Parameter(scale, requires_grad=False)
+    module.fp8 = Fp8Weight(module.qweight.data, module.weight_scale.data)
+    del module.weight  # the model-dtype copy goes
+    module.weight = None
+
+
+def _warn_moe(model: nn.Module, why: str) -> None:
+    if any(type(m).__name__ == "FusedMoE" for m in model.modules()):
+        logger.warning("%s: the experts of the mixture-of-experts layers stay in the model "
+                       "dtype (no FP8 expert kernel yet)", why)
+
+
+def quantize_model_fp8(model: nn.Module) -> int:
+    """Quantize every tensor-parallel linear layer of the language model in place (each rank
+    its shard); returns how many. The layers then compute through their `fp8` weight."""
+    count = 0
+    for _, module in list(_linears(model)):
+        _set_fp8(module, *quantize_per_channel(module.weight.data))
+        count += 1
+    _warn_moe(model, "--quantization fp8")
     return count
+
+
+def prepare_fp8_checkpoint(model: nn.Module, quantized: Callable[[str], bool]) -> int:
+    """Before loading an FP8 checkpoint: every linear layer whose weight the checkpoint holds
+    in FP8 (`quantized(name)`) gets empty `qweight` / `weight_scale` parameters for the loader
+    to fill (its `weight` goes); returns how many."""
+    count = 0
+    for name, module in list(_linears(model)):
+        if quantized(name):
+            w = module.weight
+            _set_fp8(module, torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device),
+                     torch.empty(w.shape[0], dtype=torch.float32, device=w.device))
+            count += 1
+    _warn_moe(model, "FP8 checkpoint")
+    return count
+
+
+class ScaleRows:
+    """A checkpoint's per-tensor weight scale read as one scale per output row, so that the
+    layers' loaders can cut it like a per-channel one (`narrow` rows, or `[:]` whole)."""
+
+    def __init__(self, value: float, rows: int) -> None:
+        self.value, self.rows = value, rows
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return torch.full((length,), self.value, dtype=torch.float32)
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        return torch.full((self.rows,), self.value, dtype=torch.float32)
+
+
+def weight_scale_rows(loaded: Any, rows: int) -> Any:
+    """A checkpoint `weight_scale` (a scalar, [1], [out] or [out, 1]) as per-row scales:
+    a ScaleRows for one value (`rows`: the whole length `[:]` should give), else [out]."""
+    t = loaded[:].float().reshape(-1)
+    return ScaleRows(float(t[0]), rows) if t.numel() == 1 else t

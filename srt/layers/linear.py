@@ -101,8 +101,8 @@ class RowParallelLinear(nn.Module):
         self.fp8: Fp8Weight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if param is self.bias:
-            param.data.copy_(loaded[:])
+        if param is self.bias or param is getattr(self, "weight_scale", None):
+            param.data.copy_(loaded[:])  # one per output row: whole on every rank
             return
         n = self.in_per_rank
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))

@@ -84,6 +84,7 @@ class ModelRunner:
             args.dist_init[0] if args.nnodes > 1 else "127.0.0.1")
         self.dtype = resolve_dtype(args.dtype, config.torch_dtype, self.device)
         torch.manual_seed(args.random_seed or 0)
+        self.quantization: str | None = None  # of the weights, once loaded
         self.model = self._load_model()
         if args.enable_custom_all_reduce:
             parallel_state.init_one_shot_all_reduce(ONE_SHOT_MAX_BYTES, self.dtype, self.device)
@@ -154,7 +155,7 @@ class ModelRunner:
             max_running_requests=self.max_running_requests,
             kv_gb=self.max_total_num_tokens * self.token_to_kv_pool.bytes_per_token / 1e9,
             weight_gb=self.weight_bytes / 1e9,
-            quantization=self.args.quantization,
+            quantization=self.quantization,
             kv_cache_dtype=str(self.dtype).replace("torch.", ""),
         )
 
@@ -170,11 +171,22 @@ class ModelRunner:
         if self.args.load_format == "dummy":
             init_dummy_weights(model, seed=self.args.random_seed or 0)
         else:
+            from srt.layers.quant_config import checkpoint_quant
+
+            ckpt = checkpoint_quant(self.config.path)
+            if ckpt is not None:
+                from srt.layers.fp8 import prepare_fp8_checkpoint
+
+                n = prepare_fp8_checkpoint(model, ckpt.quantized)
+                self.quantization = f"fp8 ({ckpt.method} checkpoint)"
+                logger.info("FP8 checkpoint (%s): %d linear layers load in FP8 e4m3",
+                            ckpt.method, n)
             model.load_weights(iterate_safetensors(self.config.path))
-        if self.args.quantization == "fp8":
+        if self.args.quantization == "fp8" and self.quantization is None:
             from srt.layers.fp8 import quantize_model_fp8
 
             n = quantize_model_fp8(model)
+            self.quantization = "fp8"
             logger.info("quantization fp8: %d linear layers in FP8 e4m3 (per-channel weight "
                         "scales, per-token activation scales)", n)
         return model.eval()

@@ -14,6 +14,7 @@ from torch import nn
 from srt.layers.activation import SiluAndMul
 from srt.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from srt.layers.forward_batch import ForwardBatch
+from srt.layers.fp8 import FP8_DTYPE, weight_scale_rows
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from srt.layers.logits_processor import LogitsProcessor
@@ -175,9 +176,33 @@ class LlamaForCausalLM(nn.Module):
         only its rank's shard."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+
+        def resolve(target: str, tensor: Any) -> tuple[str, Any]:
+            """The parameter a checkpoint tensor fills: an FP8 layer's `weight` is its
+            `qweight`; its `weight_scale` is read as one scale per output row."""
+            if target.endswith(".weight") and target not in params:
+                fp8 = target[: -len(".weight")] + ".qweight"
+                if fp8 in params:
+                    return fp8, tensor
+            if target.endswith(".weight_scale") and target in params:
+                return target, weight_scale_rows(tensor, params[target].shape[0])
+            refuse_fp8(target, tensor)
+            return target, tensor
+
+        def refuse_fp8(target: str, tensor: Any) -> None:
+            """An FP8 tensor for a parameter srt keeps in the model dtype would lose its scale:
+            refused rather than loaded wrong."""
+            if getattr(tensor, "dtype_name", "").startswith("F8") and target in params \
+                    and params[target].dtype != FP8_DTYPE:
+                raise ValueError(f"{target!r} is FP8 in the checkpoint but srt keeps that "
+                                 "layer in the model dtype (FP8 is loaded for the linear "
+                                 "layers of the language model only, not yet for experts)")
+
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            if name.endswith((".input_scale", ".k_scale", ".v_scale")):
+                continue  # static activation / KV scales: activations are scaled per token
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
             expert = self._expert_name.match(name)
@@ -185,6 +210,7 @@ class LlamaForCausalLM(nn.Module):
                 prefix, expert_id, which = expert.groups()
                 param_name, shard = self.expert_params[which]
                 target = f"{prefix}.{param_name}"
+                refuse_fp8(target, tensor)
                 self.get_submodule(prefix).weight_loader(
                     params[target], tensor, int(expert_id), shard
                 )
@@ -192,21 +218,22 @@ class LlamaForCausalLM(nn.Module):
                 continue
             for src, dst, shard in self.stacked_params:
                 if src in name:
-                    target = name.replace(src, dst)
+                    target, tensor = resolve(name.replace(src, dst), tensor)
                     module = self.get_submodule(target.rsplit(".", 1)[0])
                     module.weight_loader(params[target], tensor, shard)
                     loaded.add(target)
                     break
             else:
-                if name not in params:
+                target, tensor = resolve(name, tensor)
+                if target not in params:
                     raise ValueError(f"unexpected weight {name!r} in the checkpoint")
-                module = self.get_submodule(name.rsplit(".", 1)[0])
+                module = self.get_submodule(target.rsplit(".", 1)[0])
                 loader = getattr(module, "weight_loader", None)
                 if loader is None:
-                    params[name].data.copy_(tensor[:])
+                    params[target].data.copy_(tensor[:])
                 else:
-                    loader(params[name], tensor)
-                loaded.add(name)
+                    loader(params[target], tensor)
+                loaded.add(target)
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")

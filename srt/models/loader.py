@@ -21,6 +21,7 @@ class CheckpointTensor:
     def __init__(self, sl: Any) -> None:
         self._slice = sl
         self.shape = tuple(sl.get_shape())
+        self.dtype_name = str(sl.get_dtype())  # safetensors' name: "BF16", "F8_E4M3", ...
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = [slice(None)] * len(self.shape)
@@ -28,6 +29,8 @@ class CheckpointTensor:
         return self._slice[tuple(index)]
 
     def __getitem__(self, key: Any) -> torch.Tensor:
+        if not self.shape and key == slice(None):  # a scalar: `[:]` means all of it
+            key = ()
         return self._slice[key]
 
 

@@ -1,0 +1,93 @@
+"""What a checkpoint's `quantization_config` (config.json) says, and whether srt loads it.
+
+Loaded: FP8 (e4m3) weights with one scale per tensor or per output channel, in the two formats
+tools write them:
+
+- `quant_method: "fp8"` (Hugging Face / vLLM; e.g. `{"quant_method": "fp8",
+  "activation_scheme": "static" | "dynamic"}`): tensors `weight` (float8_e4m3fn),
+  `weight_scale` (a scalar or one per output row), `input_scale` with static activations.
+- `quant_method: "compressed-tensors"` with `format: "float-quantized"` (what llm-compressor
+  writes for FP8): one config group whose `weights` are `{"num_bits": 8, "type": "float",
+  "strategy": "tensor" | "channel"}`; tensors as above (`weight_scale` [out, 1] per channel).
+  Its `ignore` list names layers left unquantized (usually `lm_head`).
+
+The activations are quantized per token at run time whatever the checkpoint says (a static
+`input_scale` is read past, not used): the weights, which is what the checkpoint fixes, are
+used exactly. Block-wise scales (`weight_block_size`), other bit widths and integer formats
+(AWQ, GPTQ) are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CheckpointQuant:
+    """A loadable FP8 checkpoint: its method and the module names it leaves unquantized."""
+
+    method: str  # "fp8" or "compressed-tensors"
+    ignore: tuple[str, ...] = ()
+
+    def quantized(self, module_name: str) -> bool:
+        """Whether the checkpoint holds this module's weight in FP8 (an `ignore` entry matches
+        the module's name or its last part; a "re:" entry is a regular expression)."""
+        import re
+
+        for pat in self.ignore:
+            if pat.startswith("re:"):
+                if re.match(pat[3:], module_name):
+                    return False
+            elif module_name == pat or module_name.endswith("." + pat):
+                return False
+        return True
+
+
+def read_quantization_config(path: str) -> dict[str, Any] | None:
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    for c in (cfg, cfg.get("text_config") or {}):
+        if c.get("quantization_config"):
+            return dict(c["quantization_config"])
+    return None
+
+
+def checkpoint_quant(path: str) -> CheckpointQuant | None:
+    """The checkpoint's quantization, or None for an unquantized one. ValueError (naming the
+    method and what is not supported) for one srt cannot load."""
+    qc = read_quantization_config(path)
+    if qc is None:
+        return None
+    method = str(qc.get("quant_method") or "unknown")
+    where = "config.json quantization_config"
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise ValueError(f"the checkpoint is quantized with quant_method 'fp8' with block-wise "
+                             f"scales (weight_block_size {qc['weight_block_size']}, {where}), "
+                             "which srt cannot load (per-tensor and per-channel scales only)")
+        return CheckpointQuant("fp8", tuple(qc.get("ignored_layers") or ()))
+    if method == "compressed-tensors":
+        fmt = qc.get("format")
+        groups = list((qc.get("config_groups") or {}).values())
+        bad = None
+        if fmt != "float-quantized":
+            bad = f"format {fmt!r} (only 'float-quantized', FP8, is loaded)"
+        elif len(groups) != 1:
+            bad = f"{len(groups)} config groups (one is loaded)"
+        else:
+            w = groups[0].get("weights") or {}
+            if (w.get("num_bits"), w.get("type")) != (8, "float"):
+                bad = f"weights of {w.get('num_bits')} bits of type {w.get('type')!r}"
+            elif w.get("strategy") not in ("tensor", "channel"):
+                bad = f"weight strategy {w.get('strategy')!r} (tensor or channel are loaded)"
+        if bad:
+            raise ValueError(f"the checkpoint is quantized with quant_method 'compressed-tensors' "
+                             f"with {bad} ({where}), which srt cannot load")
+        return CheckpointQuant("compressed-tensors", tuple(qc.get("ignore") or ()))
+    raise ValueError(f"the checkpoint is quantized with quant_method {method!r} ({where}), "
+                     "which srt cannot load (FP8 checkpoints, 'fp8' or 'compressed-tensors', "
+                     "are loaded; --quantization fp8 quantizes an unquantized checkpoint at "
+                     "load)")
