@@ -48,6 +48,11 @@ class ServerArgs:
         None, "Weight quantization. fp8: the linear layers of the language model quantized to "
         "FP8 (e4m3) at load, one scale per output channel, activations per token (GPU: "
         "torch._scaled_mm on Hopper or newer; CPU: dequantized per product).", ("fp8",))
+    kv_cache_dtype: str = _f(
+        "auto", "Storage dtype of the KV cache. auto: the model dtype. fp8_e4m3 / fp8_e5m2: one "
+        "byte per value (the pool holds twice the tokens of bf16), a per-tensor scale per layer "
+        "from the checkpoint's k_scale / v_scale when present, else 1.0.",
+        ("auto", "fp8_e4m3", "fp8_e5m2"))
     attention_backend: str = _f(
         "auto", "Attention implementation; auto picks triton on a GPU (its decode measured "
         "faster than flashinfer's; with flashinfer installed, its prefill for EXTEND steps), and "

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from srt.layers.kv_cache_dtype import fp8_max, is_fp8
+
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, x_stride,
@@ -99,9 +101,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rope_and_store_kernel(q_ptr, q_out_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_buf_ptr,
                            v_buf_ptr, loc_ptr, q_stride, q_out_stride, k_stride, v_stride,
-                           cache_stride,
+                           cache_stride, k_scale, v_scale,
                            NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr,
-                           BLOCK_H: tl.constexpr, STORE: tl.constexpr):
+                           BLOCK_H: tl.constexpr, STORE: tl.constexpr, QUANT: tl.constexpr,
+                           QMAX: tl.constexpr):
     tok = tl.program_id(0)
     pos = tl.load(pos_ptr + tok)
     d = tl.arange(0, HALF)
@@ -143,24 +146,39 @@ def _rope_and_store_kernel(q_ptr, q_out_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin
         if STORE:
             loc = tl.load(loc_ptr + tok).to(tl.int64)
             c_off = loc * cache_stride + kh[:, None] * (2 * HALF) + d[None, :]
-            tl.store(k_buf_ptr + c_off, o1, mask=mk)
-            tl.store(k_buf_ptr + c_off + HALF, o2, mask=mk)
             v_off = tok * v_stride + kh[:, None] * (2 * HALF) + d[None, :]
             v1 = tl.load(v_ptr + v_off, mask=mk, other=0.0)
             v2 = tl.load(v_ptr + v_off + HALF, mask=mk, other=0.0)
-            tl.store(v_buf_ptr + c_off, v1, mask=mk)
-            tl.store(v_buf_ptr + c_off + HALF, v2, mask=mk)
+            if QUANT:  # FP8 cache: x / scale, clamped, rounded (kv_cache_dtype.quantize_kv)
+                kd = k_buf_ptr.dtype.element_ty
+                tl.store(k_buf_ptr + c_off, _to_fp8(o1, k_scale, QMAX, kd), mask=mk)
+                tl.store(k_buf_ptr + c_off + HALF, _to_fp8(o2, k_scale, QMAX, kd), mask=mk)
+                tl.store(v_buf_ptr + c_off, _to_fp8(v1, v_scale, QMAX, kd), mask=mk)
+                tl.store(v_buf_ptr + c_off + HALF, _to_fp8(v2, v_scale, QMAX, kd), mask=mk)
+            else:
+                tl.store(k_buf_ptr + c_off, o1, mask=mk)
+                tl.store(k_buf_ptr + c_off + HALF, o2, mask=mk)
+                tl.store(v_buf_ptr + c_off, v1, mask=mk)
+                tl.store(v_buf_ptr + c_off + HALF, v2, mask=mk)
+
+
+@triton.jit
+def _to_fp8(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
+    y = x.to(tl.float32) / scale
+    return tl.minimum(tl.maximum(y, -QMAX), QMAX).to(dtype)
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                    k_buf: torch.Tensor | None = None, v_buf: torch.Tensor | None = None,
-                   loc: torch.Tensor | None = None) -> torch.Tensor:
+                   loc: torch.Tensor | None = None, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> torch.Tensor:
     """The rotated q [T, H, D] (a new contiguous tensor) and k [T, KV, D] rotated in place
     ("rotate half" layout, float32 cos/sin tables [max_pos, D]); with k_buf/v_buf [slots, KV, D]
     and loc [T], the rotated k and v ([T, KV, D]) are also written into the pool rows `loc`.
     Each token's heads must be contiguous (stride(1) == D, stride(2) == 1); tokens may be
-    strided (views of a fused qkv output)."""
+    strided (views of a fused qkv output). A pool in FP8 gets k / k_scale and v / v_scale,
+    clamped and rounded as srt/layers/kv_cache_dtype.quantize_kv does."""
     t, num_q, dim = q.shape
     num_kv = k.shape[1]
     for x in (q, k, v):
@@ -170,6 +188,7 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     if store:
         assert v_buf is not None and loc is not None
         assert k_buf.stride(1) == dim and k_buf.stride(2) == 1 and v_buf.stride() == k_buf.stride()
+    quant = store and k_buf.dtype != k.dtype and is_fp8(k_buf.dtype)
     q_out = torch.empty((t, num_q, dim), dtype=q.dtype, device=q.device)
     if t == 0:
         return q_out
@@ -178,6 +197,8 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         q, q_out, k, v, positions, cos_cache, sin_cache,
         k_buf if store else q, v_buf if store else q, loc if store else positions,
         q.stride(0), q_out.stride(0), k.stride(0), v.stride(0), k_buf.stride(0) if store else 0,
-        NUM_Q=num_q, NUM_KV=num_kv, HALF=dim // 2, BLOCK_H=block_h, STORE=store, num_warps=4,
+        float(k_scale), float(v_scale),
+        NUM_Q=num_q, NUM_KV=num_kv, HALF=dim // 2, BLOCK_H=block_h, STORE=store, QUANT=quant,
+        QMAX=fp8_max(k_buf.dtype) if quant else 0.0, num_warps=4,
     )
     return q_out

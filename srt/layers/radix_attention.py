@@ -11,6 +11,7 @@ from torch import nn
 
 from srt.layers.forward_batch import get_forward_batch
 from srt.layers.fused import kernels, use_fused
+from srt.layers.kv_cache_dtype import store_kv
 from srt.layers.rotary import RotaryEmbedding
 
 
@@ -24,6 +25,10 @@ class RadixAttention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
         self.layer_id = layer_id
+        # Per-tensor scales of an FP8 KV cache (srt/layers/kv_cache_dtype.py): stored = k /
+        # k_scale. From the checkpoint's k_scale / v_scale when it has them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 rotary: RotaryEmbedding | None = None,
@@ -39,12 +44,13 @@ class RadixAttention(nn.Module):
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(self.layer_id)
         if rotary is not None and use_fused(q) and _fusable(q, k, v, self.head_dim):
             q = kernels().rope_and_store(q, k, v, positions, rotary.cos_cache, rotary.sin_cache,
-                               k_buf, v_buf, fb.out_cache_loc)
+                                         k_buf, v_buf, fb.out_cache_loc,
+                                         k_scale=self.k_scale, v_scale=self.v_scale)
         else:
             if rotary is not None:
                 q, k = rotary(positions, q, k)
-            k_buf[fb.out_cache_loc] = k
-            v_buf[fb.out_cache_loc] = v
+            store_kv(k_buf, fb.out_cache_loc, k, self.k_scale)
+            store_kv(v_buf, fb.out_cache_loc, v, self.v_scale)
         if fb.forward_mode.is_extend():
             o = fb.attn_backend.forward_extend(q, k, v, self, fb)
         else:

@@ -16,6 +16,7 @@ import torch
 from srt.layers import parallel_state
 from srt.layers.attention import create_step_backends, resolve_step_backends
 from srt.layers.forward_batch import ForwardBatch, forward_context
+from srt.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from srt.layers.radix_attention import RadixAttention
 from srt.model_process.cuda_graph_runner import CudaGraphRunner
 from srt.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -89,10 +90,11 @@ class ModelRunner:
         if args.enable_custom_all_reduce:
             parallel_state.init_one_shot_all_reduce(ONE_SHOT_MAX_BYTES, self.dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        kv_bytes_per_token = (
-            2 * config.num_layers * self.model_kv_heads() * config.head_dim * self.dtype.itemsize
-        )
-        self.max_total_num_tokens = self._pool_tokens(kv_bytes_per_token)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
+        kv_values_per_token = 2 * config.num_layers * self.model_kv_heads() * config.head_dim
+        self.max_total_num_tokens = self._pool_tokens(
+            kv_values_per_token * self.kv_cache_dtype.itemsize,
+            kv_values_per_token * self.dtype.itemsize)
         self.max_running_requests = args.max_running_requests or min(512, self.max_total_num_tokens)
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests, config.context_len + 8, self.device
@@ -102,7 +104,7 @@ class ModelRunner:
             config.num_layers,
             self.model_kv_heads(),
             config.head_dim,
-            self.dtype,
+            self.kv_cache_dtype,
             self.device,
         )
         prefill_name, decode_name = resolve_step_backends(
@@ -156,7 +158,7 @@ class ModelRunner:
             kv_gb=self.max_total_num_tokens * self.token_to_kv_pool.bytes_per_token / 1e9,
             weight_gb=self.weight_bytes / 1e9,
             quantization=self.quantization,
-            kv_cache_dtype=str(self.dtype).replace("torch.", ""),
+            kv_cache_dtype=str(self.kv_cache_dtype).replace("torch.", ""),
         )
 
     def _load_model(self) -> torch.nn.Module:
@@ -191,7 +193,10 @@ class ModelRunner:
                         "scales, per-token activation scales)", n)
         return model.eval()
 
-    def _pool_tokens(self, bytes_per_token: int) -> int:
+    def _pool_tokens(self, bytes_per_token: int, model_dtype_bytes_per_token: int) -> int:
+        """KV slots: what the memory budget holds at `bytes_per_token`. On the CPU the budget
+        is also capped at _CPU_DEFAULT_MAX_TOKENS slots in the model dtype, so an FP8 cache
+        still holds more tokens in the same bytes."""
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens
         frac = self.args.mem_fraction_static
@@ -199,7 +204,8 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * frac - (total - free)
         else:
-            budget = min(frac * _mem_available(), _CPU_DEFAULT_MAX_TOKENS * bytes_per_token)
+            budget = min(frac * _mem_available(),
+                         _CPU_DEFAULT_MAX_TOKENS * model_dtype_bytes_per_token)
         # Every rank must make the same scheduling decisions: all take the smallest pool.
         tokens = parallel_state.min_over_ranks(int(budget // bytes_per_token), self.device)
         if tokens < 16:

@@ -171,6 +171,21 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(fb.input_ids, fb.positions)
         return self.logits_processor(hidden, self.lm_head_weight(), fb)
 
+    def _load_kv_scale(self, name: str, tensor: Any) -> None:
+        """A checkpoint's per-tensor KV-cache scale (`...self_attn.k_scale`, `v_scale`, or
+        `kv_scale` for both), kept on the layer's RadixAttention for an FP8 KV cache."""
+        owner, which = name.rsplit(".", 1)
+        owner = owner.removesuffix(".k_proj").removesuffix(".v_proj")  # some tools' layout
+        attn = self.get_submodule(owner + ".attn")
+        t = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+        value = float(t.float().reshape(-1)[0])
+        if not value > 0:
+            raise ValueError(f"{name} = {value}: a KV-cache scale must be positive")
+        if which in ("k_scale", "kv_scale"):
+            attn.k_scale = value
+        if which in ("v_scale", "kv_scale"):
+            attn.v_scale = value
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """weights: (checkpoint name, tensor or CheckpointTensor); each layer's loader reads
         only its rank's shard."""
@@ -201,8 +216,11 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name.endswith((".input_scale", ".k_scale", ".v_scale")):
-                continue  # static activation / KV scales: activations are scaled per token
+            if name.endswith(".input_scale"):
+                continue  # a static activation scale: activations are scaled per token
+            if name.endswith((".k_scale", ".v_scale", ".kv_scale")):
+                self._load_kv_scale(name, tensor)
+                continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
             expert = self._expert_name.match(name)

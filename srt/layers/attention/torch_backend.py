@@ -2,7 +2,7 @@
 
 Runs on the CPU and the GPU. Extend: one scaled-dot-product call per request over its whole
 context (cached prefix + new tokens), causal with the prefix offset. Decode: all requests at once,
-padded to the longest context and masked.
+padded to the longest context and masked. An FP8 pool is read back as stored * scale.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from srt.layers.attention import AttentionBackend
 from srt.layers.forward_batch import ForwardBatch
+from srt.layers.kv_cache_dtype import dequantize_kv
 from srt.layers.radix_attention import RadixAttention
 
 
@@ -45,8 +46,8 @@ class TorchAttnBackend(AttentionBackend):
             ext, seq, pre = fb.extend_lens_cpu[i], fb.seq_lens_cpu[i], fb.prefix_lens_cpu[i]
             slots = req_to_token[fb.req_pool_indices[i], :seq].long()
             qi = q[start : start + ext].transpose(0, 1)  # [heads, ext, d]
-            ki = k_buf[slots].transpose(0, 1)  # [kv_heads, seq, d]
-            vi = v_buf[slots].transpose(0, 1)
+            ki = dequantize_kv(k_buf[slots], layer.k_scale, q.dtype).transpose(0, 1)
+            vi = dequantize_kv(v_buf[slots], layer.v_scale, q.dtype).transpose(0, 1)
             # query t sits at position pre + t and sees keys 0..pre + t
             mask = torch.ones(ext, seq, dtype=torch.bool, device=q.device).tril(diagonal=pre)
             oi = F.scaled_dot_product_attention(
@@ -65,8 +66,8 @@ class TorchAttnBackend(AttentionBackend):
         rows, valid = fb.attn_metadata
         bs = fb.batch_size
         group = layer.num_heads // layer.num_kv_heads
-        keys = k_buf[rows]  # [bs, L, kv_heads, d]
-        values = v_buf[rows]
+        keys = dequantize_kv(k_buf[rows], layer.k_scale, q.dtype)  # [bs, L, kv_heads, d]
+        values = dequantize_kv(v_buf[rows], layer.v_scale, q.dtype)
         qg = q.view(bs, layer.num_kv_heads, group, layer.head_dim)
         scores = torch.einsum("bkgd,blkd->bkgl", qg.float(), keys.float()) * layer.scaling
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))

@@ -79,6 +79,7 @@ class TritonAttnBackend(AttentionBackend):
         self.num_heads = _model_num_heads(runner, config.num_heads)
         self.head_dim = int(config.head_dim)
         self.device = torch.device(runner.device)
+        self.dtype = runner.dtype  # of q and o (the pool may hold FP8)
         self.max_bs = int(runner.max_running_requests)
         self.num_sms = device_num_sms(self.device)
         self.max_kv_splits = DECODE_MAX_KV_SPLITS
@@ -158,7 +159,7 @@ class TritonAttnBackend(AttentionBackend):
         row 0 of `req_to_token` (any slot ids are valid there) and writes only scratch."""
         bs, h, hkv, d = 2, self.num_heads, self.num_kv_heads, self.head_dim
         # q as the model passes it: a view of the fused qkv projection
-        qkv = torch.zeros(bs, (h + 2 * hkv) * d, dtype=k_buf.dtype, device=self.device)
+        qkv = torch.zeros(bs, (h + 2 * hkv) * d, dtype=self.dtype, device=self.device)
         q = qkv[:, : h * d].view(bs, h, d)
         o = torch.empty(q.shape, dtype=q.dtype, device=self.device)
         rows = torch.zeros(bs, dtype=torch.int64, device=self.device)
@@ -197,11 +198,13 @@ class TritonAttnBackend(AttentionBackend):
                 q[:t], k[:t], v[:t], o[:t], k_buf, v_buf, fb.req_to_token_pool.req_to_token,
                 fb.req_pool_indices, meta.extend.prefix_lens, meta.extend.extend_lens,
                 meta.extend.extend_start_loc, meta.extend.max_len_extend, layer.scaling,
+                k_scale=layer.k_scale, v_scale=layer.v_scale,
             )
             decode_attention_fwd(
                 q[t:], k_buf, v_buf, o[t:], fb.req_to_token_pool.req_to_token,
                 meta.decode_rows, meta.decode_seq_lens, layer.scaling,
                 meta.decode.num_kv_splits, self.workspace,
+                k_scale=layer.k_scale, v_scale=layer.v_scale,
             )
             return o
         if fb.forward_mode == ForwardMode.PREFILL:
@@ -214,7 +217,7 @@ class TritonAttnBackend(AttentionBackend):
             extend_attention_fwd(
                 q, k, v, o, k_buf, v_buf, fb.req_to_token_pool.req_to_token,
                 fb.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.extend_start_loc,
-                meta.max_len_extend, layer.scaling,
+                meta.max_len_extend, layer.scaling, k_scale=layer.k_scale, v_scale=layer.v_scale,
             )
         return o
 
@@ -229,6 +232,7 @@ class TritonAttnBackend(AttentionBackend):
             q, k_buf, v_buf, o, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
             fb.seq_lens, layer.scaling, meta.num_kv_splits, self.workspace,
             shared_len=meta.shared_len, shared_splits=meta.shared_splits,
+            k_scale=layer.k_scale, v_scale=layer.v_scale,
         )
         return o
 

@@ -34,10 +34,12 @@ import triton.language as tl
 
 from srt.layers.attention.triton_ops.prefill_attention import (
     LOG2E,
+    _dequant,
     _dot,
     _online_softmax_step,
     check_heads,
     check_layout,
+    check_pool,
     dot_precision,
     interpret_upcast,
 )
@@ -114,8 +116,9 @@ def _decode_split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attend_range(q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_t, start, end,
-                  qk_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                  qk_scale, k_scale, v_scale, m_i, l_i, acc, offs_d, mask_d,
+                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                  KV_FP8: tl.constexpr):
     """The online softmax of q's rows over context positions start..end-1, whose pool slots are
     slot_row[start:end]; returns the updated (m_i, l_i, acc)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -126,10 +129,12 @@ def _attend_range(q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask=kv_mask,
                     other=0.0)
+        k = _dequant(k, k_scale, q.dtype, KV_FP8)
         qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)  # [rows, BLOCK_N], scaled below
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         v = tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask=kv_mask,
                     other=0.0)
+        v = _dequant(v, v_scale, q.dtype, KV_FP8)
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
                                              UPCAST)
     return m_i, l_i, acc
@@ -143,6 +148,7 @@ def _decode_stage1_kernel(
     Req_To_Token, Req_Pool_Indices, Seq_Lens,
     Mid_O, Mid_Lse,
     qk_scale,  # sm_scale * log2(e)
+    k_scale, v_scale,  # of an FP8 pool (KV_FP8)
     stride_qb, stride_qh,
     stride_kbuf_t, stride_kbuf_h,
     stride_vbuf_t, stride_vbuf_h,
@@ -158,6 +164,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     cur_kv_head = tl.program_id(1)
@@ -188,7 +195,8 @@ def _decode_stage1_kernel(
     m_i, l_i, acc = _attend_range(
         q, Req_To_Token + row * stride_r2t, K_Buffer + cur_kv_head * stride_kbuf_h,
         V_Buffer + cur_kv_head * stride_vbuf_h, stride_kbuf_t, stride_vbuf_t, split_start,
-        split_end, qk_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N, DOT_PRECISION, UPCAST)
+        split_end, qk_scale, k_scale, v_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N,
+        DOT_PRECISION, UPCAST, KV_FP8)
 
     # partial result of this split, normalised, and its log2-sum-exp2
     base = (cur_batch.to(tl.int64) * num_heads + cur_heads) * total_splits + split  # [BLOCK_H]
@@ -204,6 +212,7 @@ def _decode_shared_kernel(
     Req_To_Token, Req_Pool_Indices,
     Mid_O, Mid_Lse,
     qk_scale,  # sm_scale * log2(e)
+    k_scale, v_scale,  # of an FP8 pool (KV_FP8)
     stride_qb, stride_qh,
     stride_kbuf_t, stride_kbuf_h,
     stride_vbuf_t, stride_vbuf_h,
@@ -221,6 +230,7 @@ def _decode_shared_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     cur_kv_head = tl.program_id(0)
     block_m = tl.program_id(1)
@@ -252,7 +262,8 @@ def _decode_shared_kernel(
     m_i, l_i, acc = _attend_range(
         q, Req_To_Token + row * stride_r2t, K_Buffer + cur_kv_head * stride_kbuf_h,
         V_Buffer + cur_kv_head * stride_vbuf_h, stride_kbuf_t, stride_vbuf_t, split_start,
-        split_end, qk_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N, DOT_PRECISION, UPCAST)
+        split_end, qk_scale, k_scale, v_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N,
+        DOT_PRECISION, UPCAST, KV_FP8)
 
     base = (batch.to(tl.int64) * num_heads + heads) * total_splits + num_splits + split
     o_ptrs = Mid_O + base[:, None] * HEAD_DIM + offs_d[None, :]
@@ -316,6 +327,8 @@ def decode_attention_fwd(
     block_n: int | None = None,
     shared_len: int = 0,
     shared_splits: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """One query per request over the whole context `req_to_token[req_pool_indices[i],
     :seq_lens[i]]` (the current token's K/V already in the pool), written into `o`.
@@ -327,9 +340,11 @@ def decode_attention_fwd(
     if None). shared_len > 0 (with shared_splits >= 1) promises that the first shared_len
     entries of every request's req_to_token row are the same slots and that every
     seq_lens[i] > shared_len; those positions are then read once for the whole batch.
+    A pool in FP8 is read as stored * k_scale (v_scale) in q's dtype.
     """
     check_heads(q, k_buffer)
-    check_layout(q, o, k_buffer, v_buffer)
+    check_layout(q, o)
+    kv_fp8 = check_pool(q, k_buffer, v_buffer)
     group = q.shape[1] // k_buffer.shape[1]
     if k_buffer.shape != v_buffer.shape or o.shape != q.shape:
         raise ValueError("k/v buffer or q/o shape mismatch")
@@ -366,6 +381,7 @@ def decode_attention_fwd(
         req_to_token, req_pool_indices, seq_lens,
         mid_o, mid_lse,
         sm_scale * LOG2E,
+        float(k_scale), float(v_scale),
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -381,6 +397,7 @@ def decode_attention_fwd(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST=interpret_upcast(q.dtype),
+        KV_FP8=kv_fp8,
         num_warps=DECODE_NUM_WARPS,
         num_stages=stages,
     )
@@ -391,6 +408,7 @@ def decode_attention_fwd(
             req_to_token, req_pool_indices,
             mid_o, mid_lse,
             sm_scale * LOG2E,
+            float(k_scale), float(v_scale),
             q.stride(0), q.stride(1),
             k_buffer.stride(0), k_buffer.stride(1),
             v_buffer.stride(0), v_buffer.stride(1),
@@ -408,6 +426,7 @@ def decode_attention_fwd(
             BLOCK_N=block_n,
             DOT_PRECISION=dot_precision(q.dtype),
             UPCAST=interpret_upcast(q.dtype),
+            KV_FP8=kv_fp8,
             num_warps=DECODE_NUM_WARPS,
             num_stages=stages,
         )

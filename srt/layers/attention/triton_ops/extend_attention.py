@@ -21,11 +21,13 @@ import triton.language as tl
 
 from srt.layers.attention.triton_ops.prefill_attention import (
     LOG2E,
+    _dequant,
     _dot,
     _online_softmax_step,
     _tile,
     check_heads,
     check_layout,
+    check_pool,
     default_blocks,
     dot_precision,
     interpret_upcast,
@@ -47,6 +49,7 @@ def _extend_fwd_kernel(
     K_Buffer, V_Buffer,
     Req_To_Token, Req_Pool_Indices, Prefix_Lens, Extend_Lens, Extend_Start_Loc,
     qk_scale,  # sm_scale * log2(e)
+    k_scale, v_scale,  # of an FP8 pool (KV_FP8)
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -61,6 +64,7 @@ def _extend_fwd_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # grid (heads, bs, query blocks): the heads of one KV group run side by side (K/V reuse in
     # L2), and the last, most expensive query blocks of the causal triangle are launched first
@@ -98,9 +102,11 @@ def _extend_fwd_kernel(
         slots = tl.load(slot_row + start_n + offs_n).to(tl.int64)
         k = _tile(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], offs_n, offs_d,
                   HEAD_DIM, BLOCK_D, False)
+        k = _dequant(k, k_scale, q.dtype, KV_FP8)
         qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
         v = _tile(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], offs_n, offs_d,
                   HEAD_DIM, BLOCK_D, False)
+        v = _dequant(v, v_scale, q.dtype, KV_FP8)
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
                                              UPCAST)
     if full_end < prefix_len:
@@ -109,10 +115,12 @@ def _extend_fwd_kernel(
         slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
         k = _tile(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask_n, offs_d,
                   HEAD_DIM, BLOCK_D, True)
+        k = _dequant(k, k_scale, q.dtype, KV_FP8)
         qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         v = _tile(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask_n, offs_d,
                   HEAD_DIM, BLOCK_D, True)
+        v = _dequant(v, v_scale, q.dtype, KV_FP8)
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
                                              UPCAST)
 
@@ -171,6 +179,8 @@ def extend_attention_fwd(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of the new tokens over cached prefix + themselves, written into `o_extend`.
 
@@ -178,10 +188,12 @@ def extend_attention_fwd(
     values the layer wrote to the pool); k_buffer, v_buffer: [S, Hkv, D] pool of the layer;
     req_to_token: [R, C] int32/int64; req_pool_indices, prefix_lens, extend_lens,
     extend_start_loc: [bs] int32/int64 device tensors; max_len_extend: a host int >=
-    max(extend_lens).
+    max(extend_lens). A pool in FP8 is read as stored * k_scale (v_scale) in q's dtype; this
+    step's k_extend / v_extend are used as they are.
     """
     group = check_heads(q_extend, k_extend)
-    check_layout(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer)
+    check_layout(q_extend, k_extend, v_extend, o_extend)
+    kv_fp8 = check_pool(q_extend, k_buffer, v_buffer)
     if (k_extend.shape != v_extend.shape or o_extend.shape != q_extend.shape
             or k_buffer.shape != v_buffer.shape or k_buffer.shape[1:] != k_extend.shape[1:]):
         raise ValueError("shape mismatch between q/k/v/o and the KV buffers")
@@ -205,6 +217,7 @@ def extend_attention_fwd(
         k_buffer, v_buffer,
         req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
         sm_scale * LOG2E,
+        float(k_scale), float(v_scale),
         q_extend.stride(0), q_extend.stride(1),
         k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1),
@@ -219,6 +232,7 @@ def extend_attention_fwd(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q_extend.dtype),
         UPCAST=interpret_upcast(q_extend.dtype),
+        KV_FP8=kv_fp8,
         num_warps=EXTEND_NUM_WARPS,
         num_stages=pipeline_stages(q_extend.dtype, head_dim, EXTEND_NUM_STAGES),
     )

@@ -94,6 +94,27 @@ def _tile(ptrs, rows_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 
 
 @triton.jit
+def _dequant(x, scale, dtype: tl.constexpr, KV_FP8: tl.constexpr):
+    """A tile read from the KV pool in the compute dtype: stored * scale when the pool holds
+    FP8 (srt/layers/kv_cache_dtype.py), else as it is."""
+    if KV_FP8:
+        return (x.to(tl.float32) * scale).to(dtype)
+    else:
+        return x
+
+
+def check_pool(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
+    """The pool's buffers against the queries: the same dtype, or both FP8 (then returns
+    True: the kernels dequantize what they read)."""
+    check_layout(k_buffer, v_buffer)
+    if k_buffer.dtype == q.dtype:
+        return False
+    if k_buffer.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"dtype mismatch: pool {k_buffer.dtype} vs queries {q.dtype}")
+    return True
+
+
+@triton.jit
 def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """a @ b in fp32. UPCAST only under the interpreter (see interpret_upcast)."""
     if UPCAST:
