@@ -205,7 +205,7 @@ def prepare_args(args: ServerArgs) -> ServerArgs:
     from srt.model_config import check_quantization, check_tp_size
 
     check_tp_size(args.model_path, args.tp_size)
-    check_quantization(args.model_path)
+    check_quantization(args.model_path, args.quantization)
     return args
 
 

@@ -155,9 +155,14 @@ def check_tp_size(path: str, tp_size: int) -> None:
         )
 
 
-def check_quantization(path: str) -> None:
+def check_quantization(path: str, asked: str | None = None) -> None:
     """Refuse a pre-quantized checkpoint srt cannot load, naming its method (from config.json
-    alone, before any process starts; srt/layers/quant_config.py)."""
+    alone, before any process starts; srt/layers/quant_config.py); and `--quantization awq`
+    for a checkpoint that is not AWQ (srt quantizes to int4 only offline)."""
     from srt.layers.quant_config import checkpoint_quant
 
-    checkpoint_quant(path)
+    ckpt = checkpoint_quant(path)
+    if asked == "awq" and (ckpt is None or ckpt.method != "awq"):
+        raise ValueError("--quantization awq needs an AWQ checkpoint (quantization_config with "
+                         f"quant_method 'awq'); {path} is "
+                         f"{'not quantized' if ckpt is None else 'quantized with ' + ckpt.method}")

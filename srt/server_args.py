@@ -47,7 +47,9 @@ class ServerArgs:
     quantization: str | None = _f(
         None, "Weight quantization. fp8: the linear layers of the language model quantized to "
         "FP8 (e4m3) at load, one scale per output channel, activations per token (GPU: "
-        "torch._scaled_mm on Hopper or newer; CPU: dequantized per product).", ("fp8",))
+        "torch._scaled_mm on Hopper or newer; CPU: dequantized per product). awq: the "
+        "checkpoint must be AWQ int4 (detected from its quantization_config anyway).",
+        ("fp8", "awq"))
     kv_cache_dtype: str = _f(
         "auto", "Storage dtype of the KV cache. auto: the model dtype. fp8_e4m3 / fp8_e5m2: one "
         "byte per value (the pool holds twice the tokens of bf16), a per-tensor scale per layer "

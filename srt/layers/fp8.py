@@ -91,15 +91,17 @@ def _linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if any(k in name for k in _KEEP):
             continue
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.fp8 is None:
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.quant is None:
             yield name, module
 
 
 def _set_fp8(module: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
     """Give the layer FP8 parameters `qweight` and `weight_scale` in place of `weight`."""
-    module.qweight = nn.Parameter(q, requires_grad=False)
-    module.weight_scale = nn.Parameter(scale, requires_grad=False)
-    module.fp8 = Fp8Weight(module.qweight.data, module.weight_scale.data)
+    from srt.layers.linear import tp_param
+
+    module.qweight = tp_param(q)
+    module.weight_scale = tp_param(scale, input_dim=None)  # per output row
+    module.quant = Fp8Weight(module.qweight.data, module.weight_scale.data)
     del module.weight  # the model-dtype copy goes
     module.weight = None
 

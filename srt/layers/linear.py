@@ -3,18 +3,44 @@ the full checkpoint tensor while loading, so no rank keeps a full copy.
 
 Column-parallel: output features split across ranks. Row-parallel: input features split, outputs
 all-reduced. QKV and gate/up are merged column-parallel layers whose loaders place each part.
-With `--quantization fp8` each rank's loaded shard is then quantized (`srt/layers/fp8.py`): the
-layer's `fp8` holds the FP8 weight and its scales and `weight` is gone.
+A quantized layer (`srt/layers/fp8.py`, `srt/layers/awq.py`) has no `weight`: its `quant` does
+the product, and its parameters say which axes the loaders cut (`tp_param`): the output axis
+(packed several values per element for int4) and the input axis (in groups for per-group
+scales), or none (kept whole on every rank).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from srt.layers import parallel_state as ps
-from srt.layers.fp8 import Fp8Weight
+
+
+class QuantWeight(Protocol):
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T in x's dtype, w the dequantized weight [out, in]."""
+
+
+def tp_param(t: torch.Tensor, output_dim: int = 0, input_dim: int | None = 1, pack: int = 1,
+             input_div: int = 1) -> nn.Parameter:
+    """A parameter whose loaders cut axis `output_dim` by output features (`pack` of them per
+    element) and axis `input_dim` by input features (`input_div` of them per element; None:
+    the row-parallel loader copies it whole)."""
+    p = nn.Parameter(t, requires_grad=False)
+    p.output_dim, p.input_dim, p.pack, p.input_div = output_dim, input_dim, pack, input_div
+    return p
+
+
+def _out_cut(param: nn.Parameter, n: int) -> tuple[int, int]:
+    """(axis, elements) of `n` output features in `param`."""
+    pack = getattr(param, "pack", 1)
+    if n % pack:
+        raise ValueError(f"{n} output features do not fill whole packed elements of {pack}")
+    return getattr(param, "output_dim", 0), n // pack
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -32,15 +58,15 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
         )
-        self.fp8: Fp8Weight | None = None
+        self.quant: QuantWeight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        n = self.out_per_rank
-        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+        dim, n = _out_cut(param, self.out_per_rank)
+        param.data.copy_(loaded.narrow(dim, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8 is not None:
-            out = self.fp8.matmul(x)
+        if self.quant is not None:
+            out = self.quant.matmul(x)
             return out + self.bias if self.bias is not None else out
         return F.linear(x, self.weight, self.bias)
 
@@ -53,9 +79,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.sizes_per_rank = [_divide(s, self.tp_size, "output features") for s in sizes]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        n = self.sizes_per_rank[shard_id]
-        offset = sum(self.sizes_per_rank[:shard_id])
-        param.data.narrow(0, offset, n).copy_(loaded.narrow(0, self.tp_rank * n, n))
+        dim, n = _out_cut(param, self.sizes_per_rank[shard_id])
+        _, offset = _out_cut(param, sum(self.sizes_per_rank[:shard_id]))
+        param.data.narrow(dim, offset, n).copy_(loaded.narrow(dim, self.tp_rank * n, n))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -80,14 +106,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden, out, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
+        dim, q = _out_cut(param, self.num_heads * self.head_dim)
+        _, kv = _out_cut(param, self.num_kv_heads * self.head_dim)
         if shard_id == "q":
-            dst, src = param.data.narrow(0, 0, q), loaded.narrow(0, self.tp_rank * q, q)
+            dst, src = param.data.narrow(dim, 0, q), loaded.narrow(dim, self.tp_rank * q, q)
         else:
             offset = q if shard_id == "k" else q + kv
             kv_rank = self.tp_rank // self.kv_replicas
-            dst, src = param.data.narrow(0, offset, kv), loaded.narrow(0, kv_rank * kv, kv)
+            dst, src = param.data.narrow(dim, offset, kv), loaded.narrow(dim, kv_rank * kv, kv)
         dst.copy_(src)
 
 
@@ -98,17 +124,22 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _divide(in_features, self.tp_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.fp8: Fp8Weight | None = None
+        self.quant: QuantWeight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if param is self.bias or param is getattr(self, "weight_scale", None):
+        dim = getattr(param, "input_dim", 1)
+        if param is self.bias or dim is None:
             param.data.copy_(loaded[:])  # one per output row: whole on every rank
             return
-        n = self.in_per_rank
-        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+        div = getattr(param, "input_div", 1)
+        if self.in_per_rank % div:
+            raise ValueError(f"a rank's {self.in_per_rank} input features are not whole "
+                             f"groups of {div} (a smaller --tp-size may fit)")
+        n = self.in_per_rank // div
+        param.data.copy_(loaded.narrow(dim, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = ps.all_reduce(self.fp8.matmul(x) if self.fp8 is not None
+        out = ps.all_reduce(self.quant.matmul(x) if self.quant is not None
                             else F.linear(x, self.weight))
         # Bias after the reduction, so it is added once rather than once per rank.
         return out + self.bias if self.bias is not None else out

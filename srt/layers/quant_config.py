@@ -13,8 +13,14 @@ tools write them:
 
 The activations are quantized per token at run time whatever the checkpoint says (a static
 `input_scale` is read past, not used): the weights, which is what the checkpoint fixes, are
-used exactly. Block-wise scales (`weight_block_size`), other bit widths and integer formats
-(AWQ, GPTQ) are refused with the reason.
+used exactly.
+
+Also loaded: AWQ int4 in AutoAWQ's GEMM layout (`{"quant_method": "awq", "bits": 4,
+"group_size": 128, "zero_point": true, "version": "gemm"}`; srt/layers/awq.py), its
+`modules_to_not_convert` left in the model dtype; not for mixture-of-experts models.
+
+Refused with the reason: block-wise FP8 scales (`weight_block_size`), other bit widths, AWQ's
+GEMV / Marlin layouts or symmetric (no zero point) variant, GPTQ and other methods.
 """
 
 from __future__ import annotations
@@ -29,8 +35,13 @@ from typing import Any
 class CheckpointQuant:
     """A loadable FP8 checkpoint: its method and the module names it leaves unquantized."""
 
-    method: str  # "fp8" or "compressed-tensors"
+    method: str  # "fp8", "compressed-tensors" or "awq"
     ignore: tuple[str, ...] = ()
+    group_size: int = 0  # AWQ: input channels per scale
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.method in ("fp8", "compressed-tensors")
 
     def quantized(self, module_name: str) -> bool:
         """Whether the checkpoint holds this module's weight in FP8 (an `ignore` entry matches
@@ -46,13 +57,38 @@ class CheckpointQuant:
         return True
 
 
-def read_quantization_config(path: str) -> dict[str, Any] | None:
+def _read_config(path: str) -> dict[str, Any]:
     with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
+        return json.load(f)
+
+
+def read_quantization_config(path: str) -> dict[str, Any] | None:
+    cfg = _read_config(path)
     for c in (cfg, cfg.get("text_config") or {}):
         if c.get("quantization_config"):
             return dict(c["quantization_config"])
     return None
+
+
+def _awq(qc: dict[str, Any], cfg: dict[str, Any], where: str) -> CheckpointQuant:
+    bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
+    version = str(qc.get("version", "gemm")).lower()
+    bad = None
+    if bits != 4:
+        bad = f"{bits} bits (4 are loaded)"
+    elif version != "gemm":
+        bad = f"version {version!r} (the 'gemm' layout is loaded)"
+    elif not qc.get("zero_point", True):
+        bad = "no zero point (the asymmetric, zero-point variant is loaded)"
+    elif not isinstance(group, int) or group < 16 or group & (group - 1):
+        bad = f"group size {group} (a power of two of at least 16 is loaded)"
+    elif (cfg.get("num_local_experts") or (cfg.get("text_config") or {})
+            .get("num_local_experts")):
+        bad = "mixture-of-experts layers (srt has no AWQ expert kernel)"
+    if bad:
+        raise ValueError(f"the checkpoint is quantized with quant_method 'awq' with {bad} "
+                         f"({where}), which srt cannot load")
+    return CheckpointQuant("awq", tuple(qc.get("modules_to_not_convert") or ()), group)
 
 
 def checkpoint_quant(path: str) -> CheckpointQuant | None:
@@ -87,7 +123,9 @@ def checkpoint_quant(path: str) -> CheckpointQuant | None:
             raise ValueError(f"the checkpoint is quantized with quant_method 'compressed-tensors' "
                              f"with {bad} ({where}), which srt cannot load")
         return CheckpointQuant("compressed-tensors", tuple(qc.get("ignore") or ()))
+    if method == "awq":
+        return _awq(qc, _read_config(path), where)
     raise ValueError(f"the checkpoint is quantized with quant_method {method!r} ({where}), "
                      "which srt cannot load (FP8 checkpoints, 'fp8' or 'compressed-tensors', "
-                     "are loaded; --quantization fp8 quantizes an unquantized checkpoint at "
-                     "load)")
+                     "and AWQ int4 in the 'gemm' layout are loaded; --quantization fp8 "
+                     "quantizes an unquantized checkpoint at load)")

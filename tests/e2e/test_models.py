@@ -92,11 +92,11 @@ def checkpoints(tmp_path_factory: Any) -> Any:
     return get
 
 
-def start_fails(path: str) -> subprocess.CompletedProcess:
+def start_fails(path: str, *extra: str) -> subprocess.CompletedProcess:
     """Run the server on `path` to its exit (for checkpoints it must refuse at start-up)."""
     return subprocess.run(
         [sys.executable, "-m", "srt.server", "--model-path", path, "--device", "cpu",
-         "--port", "0", "--max-total-tokens", "256"],
+         "--port", "0", "--max-total-tokens", "256", *extra],
         cwd=REPO, capture_output=True, text=True, timeout=180,
         env=dict(os.environ, PYTHONPATH=REPO))
 

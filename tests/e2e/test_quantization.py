@@ -1,15 +1,18 @@
-"""`--quantization fp8` through the real server on a small random Llama in float32 on the CPU:
-greedy ids and prompt / output logprobs equal those of transformers holding the same
-dequantized weights (each rank's shard quantized with its own per-channel scales), at --tp-size
-1 and 2 (gloo). A checkpoint quantized in a format srt cannot load is refused at start-up,
-naming its method."""
+"""Quantized weights through the real server on a small random Llama in float32 on the CPU:
+`--quantization fp8`, FP8 checkpoints (AutoFP8 and compressed-tensors layouts) and AWQ int4
+checkpoints (AutoAWQ's GEMM layout), each written by our own quantizer. Greedy ids and prompt /
+output logprobs equal those of transformers holding the same dequantized weights (for
+`--quantization fp8` each rank's shard quantized with its own per-channel scales), at
+--tp-size 1 and 2 (gloo). (transformers loads neither AWQ nor these FP8 layouts on the CPU
+without extra packages, so the dequantized model is the reference.) A checkpoint quantized in
+a format srt cannot load is refused at start-up, naming its method."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -80,15 +83,12 @@ def test_fp8_weights_equal_the_dequantized_reference(llama: str, tp: int) -> Non
         srv.stop()
 
 
-def write_fp8_checkpoint(src: str, dst: str, method: str, strategy: str) -> None:
-    """The random Llama at `src` quantized by our own quantizer into the on-disk layout of an
-    FP8 checkpoint: `method` "fp8" (AutoFP8 / vLLM: a scalar `weight_scale` and `input_scale`
-    per layer, static activations) or "compressed-tensors" (llm-compressor's
-    float-quantized format: `weight_scale` [out, 1] per channel, dynamic per-token
-    activations), with `quantization_config` as those tools write it."""
+def rewrite_checkpoint(src: str, dst: str, quantize: Callable[[str, torch.Tensor],
+                                                              dict[str, torch.Tensor]],
+                       qc: dict[str, Any]) -> None:
+    """A copy of the checkpoint at `src` in `dst` whose decoder linear weights are replaced by
+    `quantize(name without ".weight", weight)`'s tensors, with `quantization_config` qc."""
     from safetensors.torch import load_file, save_file
-
-    from srt.layers.fp8 import FP8_DTYPE, FP8_MAX, quantize_per_channel
 
     shutil.copytree(src, dst)
     tensors = load_file(os.path.join(src, "model.safetensors"))
@@ -97,26 +97,40 @@ def write_fp8_checkpoint(src: str, dst: str, method: str, strategy: str) -> None
         leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
         if ".layers." not in name or leaf not in COLUMN + ROW:
             out[name] = t
-            continue
-        base = name[: -len(".weight")]
-        if strategy == "tensor":
-            scale = t.float().abs().max() / FP8_MAX
-            out[name] = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-            out[base + ".weight_scale"] = scale.reshape(())
         else:
-            q, sc = quantize_per_channel(t)
-            out[name] = q
-            out[base + ".weight_scale"] = sc.reshape(-1, 1)
-        if method == "fp8":
-            out[base + ".input_scale"] = torch.tensor(0.05)
+            out.update(quantize(name[: -len(".weight")], t))
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dst, "config.json")) as f:
         cfg = json.load(f)
+    cfg["quantization_config"] = qc
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def write_fp8_checkpoint(src: str, dst: str, method: str, strategy: str) -> None:
+    """The random Llama at `src` quantized by our own quantizer into the on-disk layout of an
+    FP8 checkpoint: `method` "fp8" (AutoFP8 / vLLM: a scalar `weight_scale` and `input_scale`
+    per layer, static activations) or "compressed-tensors" (llm-compressor's
+    float-quantized format: `weight_scale` [out, 1] per channel, dynamic per-token
+    activations), with `quantization_config` as those tools write it."""
+    from srt.layers.fp8 import FP8_DTYPE, FP8_MAX, quantize_per_channel
+
+    def quantize(base: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        if strategy == "tensor":
+            scale = t.float().abs().max() / FP8_MAX
+            out = {base + ".weight": (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE),
+                   base + ".weight_scale": scale.reshape(())}
+        else:
+            q, sc = quantize_per_channel(t)
+            out = {base + ".weight": q, base + ".weight_scale": sc.reshape(-1, 1)}
+        if method == "fp8":
+            out[base + ".input_scale"] = torch.tensor(0.05)
+        return out
+
     if method == "fp8":
-        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static",
-                                      "ignored_layers": ["lm_head"]}
+        qc = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
     else:
-        cfg["quantization_config"] = {
+        qc = {
             "quant_method": "compressed-tensors", "format": "float-quantized",
             "quantization_status": "compressed", "ignore": ["lm_head"],
             "config_groups": {"group_0": {
@@ -125,8 +139,7 @@ def write_fp8_checkpoint(src: str, dst: str, method: str, strategy: str) -> None
                             "symmetric": True, "dynamic": False},
                 "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
                                       "symmetric": True, "dynamic": True}}}}
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    rewrite_checkpoint(src, dst, quantize, qc)
 
 
 def dequantized_reference(ckpt: str) -> Reference:
@@ -167,26 +180,114 @@ def test_fp8_checkpoint_equals_its_dequantized_weights(llama: str, tmp_path: Any
     ckpt = str(tmp_path / f"{method}-{strategy}")
     write_fp8_checkpoint(llama, ckpt, method, strategy)
     ref = dequantized_reference(ckpt)
-    srv = _serve(ckpt, "--tp-size", str(tp))
+    _serve_and_check(ckpt, ref, f"fp8 ({method} checkpoint)",
+                     f"FP8 checkpoint ({method}): 8 linear layers load in FP8 e4m3",
+                     "--tp-size", str(tp))
+
+
+def _serve_and_check(ckpt: str, ref: Reference, quantization: str, log_line: str,
+                     *flags: str) -> None:
+    srv = _serve(ckpt, *flags)
     try:
-        info = srv.server_info()
-        assert info["quantization"] == f"fp8 ({method} checkpoint)"
-        assert f"FP8 checkpoint ({method}): 8 linear layers load in FP8 e4m3" in srv.log()
+        assert srv.server_info()["quantization"] == quantization
+        assert log_line in srv.log()
         _check(srv, ref)
         srv.assert_kv_invariant()
     finally:
         srv.stop()
 
 
-def test_a_checkpoint_in_an_unloadable_format_is_refused(llama: str, tmp_path: Any) -> None:
-    bad = str(tmp_path / "awq")
-    shutil.copytree(llama, bad)
-    with open(os.path.join(bad, "config.json")) as f:
+def write_awq_checkpoint(src: str, dst: str, group: int) -> None:
+    """The random Llama at `src` quantized by our own int4 quantizer into AutoAWQ's GEMM
+    layout (`qweight`, `qzeros`, `scales` float16 per decoder linear layer), with the
+    `quantization_config` AutoAWQ writes."""
+    from srt.layers.awq import quantize_awq
+
+    def quantize(base: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        return dict(zip((base + ".qweight", base + ".qzeros", base + ".scales"),
+                        quantize_awq(t, group)))
+
+    rewrite_checkpoint(src, dst, quantize,
+                       {"quant_method": "awq", "zero_point": True, "group_size": group,
+                        "bits": 4, "version": "gemm", "modules_to_not_convert": None})
+
+
+def awq_dequantized_reference(ckpt: str) -> Reference:
+    """transformers with every AWQ layer of `ckpt` replaced by its dequantized weight."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from srt.layers.awq import dequantize_awq
+    from tests.e2e.test_models import hf_reference
+
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    plain = os.path.join(ckpt, "dequantized")
+    with open(os.path.join(ckpt, "config.json")) as f:
         cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
-    with open(os.path.join(bad, "config.json"), "w") as f:
+    cfg.pop("quantization_config")
+    os.makedirs(plain, exist_ok=True)
+    with open(os.path.join(plain, "config.json"), "w") as f:
         json.dump(cfg, f)
-    proc = start_fails(bad)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plain),
+                                             dtype=torch.float32)
+    state = {}
+    for name, t in tensors.items():
+        if name.endswith((".qzeros", ".scales")):
+            continue
+        if name.endswith(".qweight"):
+            base = name[: -len(".qweight")]
+            state[base + ".weight"] = dequantize_awq(t, tensors[base + ".qzeros"],
+                                                     tensors[base + ".scales"], torch.float32)
+        else:
+            state[name] = t.float()
+    model.load_state_dict(state, strict=True)
+    model.eval().save_pretrained(plain)
+    return hf_reference(plain, PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("group,tp", [(128, 1), (32, 2)])
+def test_awq_checkpoint_equals_its_dequantized_weights(llama: str, tmp_path: Any, group: int,
+                                                       tp: int) -> None:
+    ckpt = str(tmp_path / f"awq-g{group}")
+    write_awq_checkpoint(llama, ckpt, group)
+    ref = awq_dequantized_reference(ckpt)
+    if tp == 1:  # the comparison can tell: unquantized weights give other logprobs
+        from tests.e2e.test_models import hf_reference
+
+        plain = hf_reference(llama, PROMPTS, NEW_TOKENS)
+        diff = max(abs(a - b) for x, y in zip(plain.prompt_logprobs, ref.prompt_logprobs)
+                   for a, b in zip(x, y))
+        assert diff > 100 * 1e-4, diff
+    _serve_and_check(ckpt, ref, f"awq (int4, group {group})",
+                     f"AWQ checkpoint: 8 linear layers load in int4, group size {group}",
+                     "--tp-size", str(tp), *(["--quantization", "awq"] if tp == 1 else []))
+
+
+def _with_quant_config(src: str, dst: str, qc: dict[str, Any]) -> str:
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = qc
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst
+
+
+@pytest.mark.parametrize("qc,why", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method 'gptq'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+     "quant_method 'awq' with version 'gemv'"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 128}, "quant_method 'awq' with 8 bits"),
+])
+def test_a_checkpoint_in_an_unloadable_format_is_refused(llama: str, tmp_path: Any,
+                                                          qc: dict, why: str) -> None:
+    proc = start_fails(_with_quant_config(llama, str(tmp_path / "bad"), qc))
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "quantized with quant_method 'awq'" in proc.stderr
+    assert f"quantized with {why}" in proc.stderr
     assert "which srt cannot load" in proc.stderr
+
+
+def test_quantization_awq_needs_an_awq_checkpoint(llama: str) -> None:
+    proc = start_fails(llama, "--quantization", "awq")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--quantization awq needs an AWQ checkpoint" in proc.stderr

@@ -37,7 +37,12 @@ def test_loadable_formats(tmp_path: Any) -> None:
 
 
 @pytest.mark.parametrize("qc,words", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' with group size None"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 100}, "group size 100"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "marlin"},
+     "version 'marlin'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False},
+     "no zero point"),
     ({"quant_method": "gptq"}, "quant_method 'gptq'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise scales"),
     (_ct({"num_bits": 4, "type": "int", "strategy": "group"}, fmt="pack-quantized"),
@@ -50,6 +55,25 @@ def test_refusals_name_the_reason(tmp_path: Any, qc: dict[str, Any], words: str)
     with pytest.raises(ValueError) as e:
         checkpoint_quant(_ckpt(tmp_path, qc))
     assert words in str(e.value) and "which srt cannot load" in str(e.value)
+
+
+def test_awq(tmp_path: Any) -> None:
+    qc = {"quant_method": "awq", "zero_point": True, "group_size": 64, "bits": 4,
+          "version": "GEMM", "modules_to_not_convert": ["visual"]}
+    q = checkpoint_quant(_ckpt(tmp_path, qc))
+    assert q == CheckpointQuant("awq", ("visual",), 64) and not q.is_fp8
+    assert not q.quantized("visual") and q.quantized("model.layers.0.mlp.down_proj")
+    # AutoAWQ's older key names
+    old = {"quant_method": "awq", "w_bit": 4, "q_group_size": 128, "zero_point": True}
+    assert checkpoint_quant(_ckpt(tmp_path, old)).group_size == 128
+    # a mixture of experts: no int4 expert kernel
+    with open(os.path.join(tmp_path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_local_experts"] = 8
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        checkpoint_quant(str(tmp_path))
 
 
 def test_ignore_entries() -> None:

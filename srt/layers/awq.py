@@ -1,0 +1,139 @@
+"""AWQ int4 weights (AutoAWQ's GEMM layout) for the tensor-parallel linear layers.
+
+On disk, per linear layer with K input and N output features and group size G (input
+channels sharing one scale and zero point):
+
+- `qweight` int32 [K, N / 8]: eight 4-bit values per int32 along the output axis, in AutoAWQ's
+  interleaved order: output column 8j + c sits at bits AWQ_SHIFTS[c] .. + 3 of word j;
+- `qzeros` int32 [K / G, N / 8]: the zero points, packed the same way;
+- `scales` float16 [K / G, N].
+
+The weight is w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n] (computed in float32, then
+rounded to the activation dtype). Each rank keeps its shard: column-parallel layers cut the
+output axis (8 columns per int32), row-parallel ones the input axis (whole groups).
+
+Products: on the GPU the Triton kernels of srt/layers/awq_triton.py dequantize tiles on the fly;
+on the CPU the weight is dequantized for each product (slow, exact to the definition above,
+which is what the tests compare against).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt.layers.linear import tp_param
+
+logger = logging.getLogger(__name__)
+
+PACK = 8  # 4-bit values per int32
+# AutoAWQ packs columns c = 0..7 of each group of eight at these bit offsets (its order
+# [0, 2, 4, 6, 1, 3, 5, 7] puts column ORDER[i] in nibble i).
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_SHIFTS = tuple(4 * AWQ_ORDER.index(c) for c in range(PACK))  # (0, 16, 4, 20, 8, 24, 12, 28)
+
+
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """[R, C] integers in 0..15 -> int32 [R, C / 8] in AutoAWQ's order."""
+    rows, cols = values.shape
+    if cols % PACK:
+        raise ValueError(f"{cols} columns: AWQ packs eight per int32")
+    v = values.to(torch.int64).view(rows, cols // PACK, PACK)
+    word = torch.zeros(rows, cols // PACK, dtype=torch.int64)
+    for c in range(PACK):
+        word |= v[:, :, c] << AWQ_SHIFTS[c]
+    # two's complement into int32 (bit 31 may be set)
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C / 8] -> int32 [R, C] values in 0..15."""
+    shifts = torch.tensor(AWQ_SHIFTS, dtype=torch.int32, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1)
+
+
+def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] (as nn.Linear holds it) in `dtype`."""
+    group = qweight.shape[0] // scales.shape[0]
+    q = unpack_awq(qweight).float()
+    z = unpack_awq(qzeros).float().repeat_interleave(group, 0)
+    s = scales.float().repeat_interleave(group, 0)
+    return ((q - z) * s).to(dtype).t()
+
+
+def quantize_awq(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric int4 of w [N, K] per group of `group` input channels, in the
+    on-disk layout: (qweight [K, N/8], qzeros [K/G, N/8], scales float16 [K/G, N]). (AutoAWQ
+    also searches activation-aware scales first; the layout is the same.)"""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"{k} input features are not a multiple of the group size {group}")
+    wt = w.float().t().reshape(k // group, group, n)  # [groups, G, N]
+    lo = wt.amin(dim=1).clamp(max=0)
+    hi = wt.amax(dim=1).clamp(min=0)
+    scales = ((hi - lo).clamp(min=1e-5) / 15).to(torch.float16)
+    s = scales.float()
+    zeros = (-lo / s).round().clamp(0, 15)
+    q = (wt / s[:, None, :] + zeros[:, None, :]).round().clamp(0, 15)
+    return (pack_awq(q.reshape(k, n)), pack_awq(zeros), scales)
+
+
+@dataclass
+class AwqWeight:
+    """A linear layer's int4 weight: qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N]."""
+
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def group(self) -> int:
+        return self.qweight.shape[0] // self.scales.shape[0]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T in x's dtype (w as dequantize_awq defines it)."""
+        if x.is_cuda:
+            from srt.layers.awq_triton import awq_matmul
+
+            return awq_matmul(x, self.qweight, self.qzeros, self.scales)
+        return F.linear(x, dequantize_awq(self.qweight, self.qzeros, self.scales, x.dtype))
+
+
+def set_awq(module: nn.Module, group: int) -> None:
+    """Give a linear layer empty AWQ parameters of its shard (`weight` goes), for the loader."""
+    n, k = module.weight.shape  # this rank's shard
+    dev = module.weight.device
+    if n % PACK or k % group:
+        raise ValueError(f"an AWQ layer's shard of {n} outputs x {k} inputs: the outputs must be "
+                         f"a multiple of {PACK} and the inputs of the group size {group} "
+                         "(a smaller --tp-size may fit)")
+    module.qweight = tp_param(torch.empty(k, n // PACK, dtype=torch.int32, device=dev), 1, 0, PACK)
+    module.qzeros = tp_param(torch.empty(k // group, n // PACK, dtype=torch.int32, device=dev),
+                             1, 0, PACK, group)
+    module.scales = tp_param(torch.empty(k // group, n, dtype=torch.float16, device=dev), 1, 0, 1,
+                             group)
+    module.quant = AwqWeight(module.qweight.data, module.qzeros.data, module.scales.data)
+    del module.weight
+    module.weight = None
+
+
+def prepare_awq_checkpoint(model: nn.Module, quantized: Callable[[str], bool], group: int) -> int:
+    """Before loading an AWQ checkpoint: every linear layer of the language model the
+    checkpoint quantizes gets its AWQ parameters; returns how many."""
+    from srt.layers.fp8 import _linears
+
+    count = 0
+    for name, module in list(_linears(model)):
+        if quantized(name):
+            set_awq(module, group)
+            count += 1
+    if any(type(m).__name__ == "FusedMoE" for m in model.modules()):
+        logger.warning("AWQ checkpoint: the experts of the mixture-of-experts layers are not "
+                       "loaded in int4 (no AWQ expert kernel); such a checkpoint is refused")
+    return count
