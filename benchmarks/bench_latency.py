@@ -57,6 +57,7 @@ def main() -> None:
     ms = statistics.median(per_token) * 1e3
     row = {
         "shape": a.shape, "tp": a.tp_size, "backend": info["attention_backend"],
+        "quant": info["quantization"] or "-", "kv": info["kv_cache_dtype"],
         "cuda_graph": info["cuda_graph"], "ms_per_token": ms,
         "tokens_per_s": 1e3 / ms, "floor_ms": floor_ms, "x_floor": ms / floor_ms,
         "ttft_ms": statistics.median(ttft) * 1e3, "startup_s": startup,

@@ -140,6 +140,7 @@ def main() -> None:
     assert produced == sum(out_lens), (produced, sum(out_lens))
     row = {
         "shape": a.shape, "tp": a.tp_size, "backend": info["attention_backend"],
+        "quant": info["quantization"] or "-", "kv": info["kv_cache_dtype"],
         "cuda_graph": info["cuda_graph"], "requests": len(prompts), "output_tokens": produced,
         "wall_s": wall, "out_tok_per_s": produced / wall, "floor_s": floor,
         "of_floor": floor / wall, "kv_pool_tokens": info["max_total_num_tokens"],

@@ -52,7 +52,8 @@ def run_once(a: Any, prompts: list[list[int]], cache: bool) -> dict[str, Any]:
     cached = sum(m["cached_tokens"] for m in meta)
     return {
         "radix_cache": cache, "shape": a.shape, "tp": a.tp_size,
-        "backend": info["attention_backend"], "cuda_graph": info["cuda_graph"],
+        "backend": info["attention_backend"], "quant": info["quantization"] or "-",
+        "kv": info["kv_cache_dtype"], "cuda_graph": info["cuda_graph"],
         "requests": len(prompts), "wall_s": wall, "req_per_s": len(prompts) / wall,
         "out_tok_per_s": produced / wall, "in_tok_per_s": prompt_tokens / wall,
         "cache_hit_rate": cached / prompt_tokens, "cached_tokens": cached,

@@ -105,6 +105,9 @@ def add_engine_args(p: Any) -> None:
                    help="KV pool size (default: from --mem-fraction-static)")
     p.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="most new tokens in one fill batch (default: the server's)")
+    p.add_argument("--awq-group-size", type=int, default=0, metavar="G",
+                   help="random AWQ int4 weights with this group size (a quantization_config "
+                   "in the shape's config.json); 0: the model dtype")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--out", default=None)
 
@@ -153,8 +156,13 @@ def start_engine(a: Any, *, shape_config: dict[str, Any] | None = None,
     config.json (`write_shape_dir`)."""
     import srt
 
+    shape_config = dict(shape_config or {})
+    if getattr(a, "awq_group_size", 0):
+        shape_config["quantization_config"] = {
+            "quant_method": "awq", "zero_point": True, "group_size": a.awq_group_size,
+            "bits": 4, "version": "gemm"}
     model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix=f"srt-{a.shape}-"),
-                                **(shape_config or {}))
+                                **shape_config)
     t0 = time.perf_counter()
     engine = srt.Engine(model_dir, **{**engine_kwargs(a), **overrides})
     return engine, time.perf_counter() - t0

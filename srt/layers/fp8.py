@@ -52,29 +52,35 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class Fp8Weight:
-    """A linear layer's weight in FP8: `qweight` [out, in] and `scale` [out] (float32)."""
+    """A linear layer's weight in FP8: `qweight` [out, in] and `scale` [out] (float32).
+    `scaled_mm`: whether products of half-precision activations go through torch._scaled_mm
+    (decided once, from the weight's device and shape: see scaled_mm_ok)."""
 
     qweight: torch.Tensor
     scale: torch.Tensor
+    scaled_mm: bool = False
+
+    def __post_init__(self) -> None:
+        self.scaled_mm = scaled_mm_ok(self.qweight)
+        self.scale_row = self.scale.view(1, -1)  # _scaled_mm's per-column scale of w.T
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ (qweight * scale).T in x's dtype."""
-        if _scaled_mm_ok(x, self.qweight):
+        if self.scaled_mm and x.dtype in (torch.bfloat16, torch.float16):
+            from srt.layers.fp8_triton import quantize_per_token_triton
+
             shape = x.shape
-            x2 = x.reshape(-1, shape[-1])
-            xq, xs = quantize_per_token(x2)
-            out = torch._scaled_mm(xq, self.qweight.t(), scale_a=xs,
-                                   scale_b=self.scale.view(1, -1), out_dtype=x.dtype)
+            xq, xs = quantize_per_token_triton(x.reshape(-1, shape[-1]))
+            out = torch._scaled_mm(xq, self.qweight.t(), scale_a=xs, scale_b=self.scale_row,
+                                   out_dtype=x.dtype)
             return out.reshape(*shape[:-1], out.shape[-1])
         return torch.nn.functional.linear(x, dequantize(self.qweight, self.scale, x.dtype))
 
 
-def _scaled_mm_ok(x: torch.Tensor, q: torch.Tensor) -> bool:
-    """Row-wise scaled FP8 GEMMs: CUDA, compute capability 9.0 or newer (Hopper), both matrix
-    dimensions multiples of 16, a half-precision output."""
-    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if torch.cuda.get_device_capability(x.device) < (9, 0):
+def scaled_mm_ok(q: torch.Tensor) -> bool:
+    """Row-wise scaled FP8 GEMMs for this weight: on CUDA, compute capability 9.0 or newer
+    (Hopper), both matrix dimensions multiples of 16."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) < (9, 0):
         return False
     return q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0
 

@@ -170,26 +170,27 @@ class ModelRunner:
                 model = cls(self.config.hf_config, self.config.context_len)
         finally:
             torch.set_default_dtype(old)
+        from srt.layers.quant_config import checkpoint_quant
+
+        # A quantized checkpoint's layers take its layout, also for random weights (dummy)
+        ckpt = checkpoint_quant(self.config.path)
+        if ckpt is not None and ckpt.is_fp8:
+            from srt.layers.fp8 import prepare_fp8_checkpoint
+
+            n = prepare_fp8_checkpoint(model, ckpt.quantized)
+            self.quantization = f"fp8 ({ckpt.method} checkpoint)"
+            logger.info("FP8 checkpoint (%s): %d linear layers load in FP8 e4m3",
+                        ckpt.method, n)
+        elif ckpt is not None:
+            from srt.layers.awq import prepare_awq_checkpoint
+
+            n = prepare_awq_checkpoint(model, ckpt.quantized, ckpt.group_size)
+            self.quantization = f"awq (int4, group {ckpt.group_size})"
+            logger.info("AWQ checkpoint: %d linear layers load in int4, group size %d",
+                        n, ckpt.group_size)
         if self.args.load_format == "dummy":
             init_dummy_weights(model, seed=self.args.random_seed or 0)
         else:
-            from srt.layers.quant_config import checkpoint_quant
-
-            ckpt = checkpoint_quant(self.config.path)
-            if ckpt is not None and ckpt.is_fp8:
-                from srt.layers.fp8 import prepare_fp8_checkpoint
-
-                n = prepare_fp8_checkpoint(model, ckpt.quantized)
-                self.quantization = f"fp8 ({ckpt.method} checkpoint)"
-                logger.info("FP8 checkpoint (%s): %d linear layers load in FP8 e4m3",
-                            ckpt.method, n)
-            elif ckpt is not None:
-                from srt.layers.awq import prepare_awq_checkpoint
-
-                n = prepare_awq_checkpoint(model, ckpt.quantized, ckpt.group_size)
-                self.quantization = f"awq (int4, group {ckpt.group_size})"
-                logger.info("AWQ checkpoint: %d linear layers load in int4, group size %d",
-                            n, ckpt.group_size)
             model.load_weights(iterate_safetensors(self.config.path))
         if self.args.quantization == "fp8" and self.quantization is None:
             from srt.layers.fp8 import quantize_model_fp8

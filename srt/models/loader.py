@@ -65,11 +65,17 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     Drawn on the parameters' own device (an 8B model takes minutes on one CPU thread, well under
     a second on a GPU); deterministic for a given seed and device type."""
     generators: dict[torch.device, torch.Generator] = {}
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         g = generators.get(p.device)
         if g is None:
             g = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-        p.data.uniform_(-1e-2, 1e-2, generator=g)
+        if not p.dtype.is_floating_point:  # packed integers (AWQ): any bits
+            p.data.random_(-(1 << 31), (1 << 31) - 1, generator=g)
+        elif p.dtype.itemsize == 1:  # FP8: drawn in float32
+            p.data.copy_(torch.empty(p.shape, device=p.device).uniform_(-1, 1, generator=g))
+        else:  # AWQ's group scales multiply values up to 15: smaller
+            bound = 1e-3 if name.endswith(".scales") else 1e-2
+            p.data.uniform_(-bound, bound, generator=g)
     for name, module in model.named_modules():
         if "norm" in name.rsplit(".", 1)[-1] and hasattr(module, "weight"):
             module.weight.data.fill_(1.0)

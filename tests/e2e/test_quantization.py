@@ -263,6 +263,21 @@ def test_awq_checkpoint_equals_its_dequantized_weights(llama: str, tmp_path: Any
                      "--tp-size", str(tp), *(["--quantization", "awq"] if tp == 1 else []))
 
 
+def test_awq_with_random_weights(llama: str, tmp_path: Any) -> None:
+    """`--load-format dummy` on an AWQ config (the benchmarks' int4 runs): the layers take the
+    AWQ layout and serve."""
+    ckpt = str(tmp_path / "awq-dummy")
+    write_awq_checkpoint(llama, ckpt, 64)
+    srv = _serve(ckpt, "--load-format", "dummy")
+    try:
+        assert srv.server_info()["quantization"] == "awq (int4, group 64)"
+        res = srv.generate({"input_ids": PROMPTS[:2], "sampling_params": {
+            "temperature": 0, "max_new_tokens": 4, "ignore_eos": True}})
+        assert [len(r["output_ids"]) for r in res] == [4, 4]
+    finally:
+        srv.stop()
+
+
 def _with_quant_config(src: str, dst: str, qc: dict[str, Any]) -> str:
     shutil.copytree(src, dst)
     with open(os.path.join(dst, "config.json")) as f:

@@ -33,7 +33,9 @@ def test_cpu_product_equals_the_dequantized_linear() -> None:
     w = torch.randn(48, 32, generator=g)
     x = torch.randn(5, 7, 32, generator=g)
     q, scale = quantize_per_channel(w)
-    out = Fp8Weight(q, scale).matmul(x)
+    fp8 = Fp8Weight(q, scale)
+    assert not fp8.scaled_mm
+    out = fp8.matmul(x)
     want = torch.nn.functional.linear(x, dequantize(q, scale, torch.float32))
     assert out.shape == (5, 7, 48)
     assert torch.equal(out, want)
@@ -60,6 +62,7 @@ def test_scaled_mm_product_near_the_dequantized_one_on_the_gpu() -> None:
     w = torch.randn(14336, 4096, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
     q, scale = quantize_per_channel(w)
     fp8 = Fp8Weight(q, scale)
+    assert fp8.scaled_mm  # decided at construction: the product takes torch._scaled_mm
     for m in (1, 300):
         x = torch.randn(m, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
         out = torch.full((m, 14336), float("nan"), device="cuda", dtype=torch.bfloat16)
