@@ -13,7 +13,10 @@
 #                   tests (the gpu-marked tests in TESTS); e.g. SRT="offline:llama3-8b tests"
 #   SRT_ARGS="..."  extra flags of every srt stage: the benchmark's own or any srt.ServerArgs
 #                   flag, e.g. "--chunked-prefill-size 8192 --enable-mixed-chunk"
+#   quantgemm       (an SRT stage, no shape) bf16 / FP8 / AWQ products at the 8B layer sizes
+#                   (bench_quant_gemm.py; QG_ARGS, e.g. "--sweep")
 #   VLLM="..."      shapes to run vLLM on (needs all three parts copied; installs once)
+#   VLLM_ARGS="..." extra flags of vllm_bench.py, e.g. "--quantization fp8 --kv-cache-dtype fp8"
 #   VLLM_LONG="..." shapes to run vLLM's --long mode on (W3, T30, D30; same install)
 #   TAG=a           suffix of the result files (runs A and B of one sitting)
 # Wheels srt needs that the machine lacks travel in .whl (installed to /tmp/site): for Python
@@ -75,6 +78,8 @@ for stage in ${SRT:-}; do
                    --shape "$shape" --tokenizer-dir .whlgr/tok \
                    --grammar-backend xgrammar llguidance outlines ${SRT_ARGS:-} \
                    --out "$OUT/srt_constrained_${shape}_$TAG.json" ;;
+    quantgemm) run "srt_quant_gemm_$TAG" 400 python3 benchmarks/bench_quant_gemm.py ${QG_ARGS:-} \
+                 --out "$OUT/srt_quant_gemm_$TAG.json" ;;
     tests) TAIL=25 run "gpu_tests_$TAG" ${TEST_TIMEOUT:-240} python3 -m pytest -q -rA -p no:cacheprovider \
              ${TESTS:-tests/gpu/test_overlap_gpu.py} ;;
     *) echo "unknown stage $stage" ;;
@@ -85,7 +90,7 @@ if [ -n "${VLLM:-}${VLLM_LONG:-}" ]; then
   source /tmp/vllm-parts/install_vllm.sh || { echo "!! vLLM install failed"; exit 1; }
   for shape in ${VLLM:-}; do
     run "vllm_${shape}_$TAG" 300 env $VLLM_ENV python3 /tmp/vllm-parts/vllm_bench.py "$shape" \
-      --out "$OUT/vllm_${shape}_$TAG.json"
+      ${VLLM_ARGS:-} --out "$OUT/vllm_${shape}_$TAG.json"
   done
   for shape in ${VLLM_LONG:-}; do
     run "vllm_long_${shape}_$TAG" 480 env $VLLM_ENV python3 /tmp/vllm-parts/vllm_bench.py \
