@@ -1,11 +1,12 @@
 """Triton kernels for AWQ int4 weights (layout: srt/layers/awq.py).
 
-- `awq_gemm`: x [M, K] @ w [K, N] with w dequantized tile by tile in registers (never written
-  out): each program loads a [BLOCK_K, BLOCK_N] tile of packed int32 (each word holds eight
-  neighbouring columns), the group's zero points and scales, computes (q - z) * s in float32,
-  rounds to x's dtype and feeds the tensor cores. Few rows (decode) are memory-bound: the
-  reduction over K is split across SPLIT_K programs (float32 atomic adds) so that enough
-  programs stream the weight at once.
+- `awq_gemm`: x [M, K] @ w [K, N] without writing w out: each program loads a tile of packed
+  words [BLOCK_K, BLOCK_N / 8] once, spreads their nibbles into a [BLOCK_K, BLOCK_N] tile of
+  small integers (columns in the words' own order, put right at the store), multiplies x by it
+  on the tensor cores (exact: integers up to 15), and applies the group's zero points and
+  scales to the product: sum_k x (q - z) s = s (x @ q - z sum_k x), one group per K tile.
+  Few rows (decode) are memory-bound: the reduction over K is split across SPLIT_K programs
+  (float32 atomic adds) so that enough programs stream the weight at once.
 - `awq_dequantize`: the whole weight [K, N] in x's dtype, for large M (prefill), where one
   dequantization plus a cuBLAS GEMM beats dequantizing the same tiles once per row block.
 
@@ -25,12 +26,29 @@ DEQUANT_MIN_ROWS = 256
 
 
 @triton.jit
-def _unpack(words, offs_n):
-    """The 4-bit values of columns offs_n from their int32 words (AutoAWQ's order: column
-    8j + c at bit 4 * (c // 2 + 4 * (c % 2)))."""
-    c = offs_n % 8
-    shifts = (c // 2 + (c % 2) * 4) * 4
-    return (words >> shifts) & 0xF
+def _expand(words, DTYPE: tl.constexpr):
+    """int32 words [R, W] -> their 4-bit values [R, 8 W] in DTYPE, nibble i of word w in
+    column 8 w + i (AutoAWQ's column 8 w + AWQ_ORDER[i]: see _true_columns). Half
+    precision takes the values through the bits of 1024 + v (fp16) or 128 + v (bf16) rather
+    than an integer-to-float conversion, which runs at a quarter of the integer rate."""
+    shifts = tl.arange(0, 8) * 4
+    v = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+    v = tl.reshape(v, (words.shape[0], words.shape[1] * 8))
+    if DTYPE == tl.float16:
+        return (v | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    elif DTYPE == tl.bfloat16:
+        return ((v | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0).to(DTYPE)
+    else:
+        return v.to(DTYPE)
+
+
+@triton.jit
+def _true_columns(first_word, BLOCK_N: tl.constexpr):
+    """The output columns of _expand's columns for words first_word.. (AutoAWQ's order
+    [0, 2, 4, 6, 1, 3, 5, 7] inside each word)."""
+    c = tl.arange(0, BLOCK_N)
+    i = c % 8
+    return first_word * 8 + (c // 8) * 8 + (i % 4) * 2 + i // 4
 
 
 @triton.jit
@@ -50,26 +68,31 @@ def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, M, N, K,
     pid_m = first_m + (pid % in_group) % size_m
     pid_n = (pid % in_group) // size_m
 
+    BLOCK_W: tl.constexpr = BLOCK_N // 8
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = pid_n * BLOCK_W + tl.arange(0, BLOCK_W)  # packed words along N
+    cols = _true_columns(pid_n * BLOCK_W, BLOCK_N)  # acc's columns in the output
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
-    mask_n = offs_n < N
+    mask_w = offs_w < N // 8
+    mask_n = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         ks = k0 + offs_k
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
                     mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
-        words = tl.load(qw_ptr + ks[:, None].to(tl.int64) * stride_qw + (offs_n // 8)[None, :],
-                        mask=(ks < K)[:, None] & mask_n[None, :], other=0)
-        g = k0 // GROUP  # BLOCK_K divides GROUP: one group per tile
-        zeros = _unpack(tl.load(qz_ptr + g * stride_qz + offs_n // 8, mask=mask_n, other=0),
-                        offs_n)
-        scales = tl.load(s_ptr + g * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        w = ((_unpack(words, offs_n[None, :]) - zeros[None, :]).to(tl.float32)
-             * scales[None, :]).to(x.dtype)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
-    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        words = tl.load(qw_ptr + ks[:, None].to(tl.int64) * stride_qw + offs_w[None, :],
+                        mask=(ks < K)[:, None] & mask_w[None, :], other=0)
+        # one group per tile (BLOCK_K divides GROUP): sum_k x (q - z) s
+        #   = s * (x @ q - z * sum_k x), with x @ q exact on the tensor cores
+        g = k0 // GROUP
+        zw = tl.load(qz_ptr + g * stride_qz + offs_w, mask=mask_w, other=0)
+        zeros = tl.reshape(_expand(zw[None, :], tl.float32), (BLOCK_N,))
+        scales = tl.load(s_ptr + g * stride_s + cols, mask=mask_n, other=0.0).to(tl.float32)
+        xq = tl.dot(x, _expand(words, x.dtype), input_precision=PRECISION)
+        xsum = tl.sum(x.to(tl.float32), 1)
+        acc += (xq - xsum[:, None] * zeros[None, :]) * scales[None, :]
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + cols[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -81,17 +104,19 @@ def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, M, N, K,
 def _awq_dequant_kernel(qw_ptr, qz_ptr, s_ptr, w_ptr, N, K, stride_qw, stride_qz, stride_s,
                         stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_N: tl.constexpr):
+    BLOCK_W: tl.constexpr = BLOCK_N // 8
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
-    words = tl.load(qw_ptr + offs_k[:, None].to(tl.int64) * stride_qw + (offs_n // 8)[None, :],
-                    mask=mask, other=0)
+    offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    cols = _true_columns(tl.program_id(1) * BLOCK_W, BLOCK_N)
+    mask_w = (offs_k < K)[:, None] & (offs_w < N // 8)[None, :]
+    mask = (offs_k < K)[:, None] & (cols < N)[None, :]
+    words = tl.load(qw_ptr + offs_k[:, None].to(tl.int64) * stride_qw + offs_w[None, :],
+                    mask=mask_w, other=0)
     g = offs_k // GROUP
-    zeros = tl.load(qz_ptr + g[:, None] * stride_qz + (offs_n // 8)[None, :], mask=mask, other=0)
-    scales = tl.load(s_ptr + g[:, None] * stride_s + offs_n[None, :], mask=mask, other=0.0)
-    w = ((_unpack(words, offs_n[None, :]) - _unpack(zeros, offs_n[None, :])).to(tl.float32)
-         * scales.to(tl.float32))
-    tl.store(w_ptr + offs_k[:, None].to(tl.int64) * stride_w + offs_n[None, :],
+    zw = tl.load(qz_ptr + g[:, None] * stride_qz + offs_w[None, :], mask=mask_w, other=0)
+    scales = tl.load(s_ptr + g[:, None] * stride_s + cols[None, :], mask=mask, other=0.0)
+    w = ((_expand(words, tl.float32) - _expand(zw, tl.float32)) * scales.to(tl.float32))
+    tl.store(w_ptr + offs_k[:, None].to(tl.int64) * stride_w + cols[None, :],
              w.to(w_ptr.dtype.element_ty), mask=mask)
 
 

@@ -20,8 +20,9 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, n, stride_x, stride_q,
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8MAX
-    q = tl.minimum(tl.maximum(x / scale, -FP8MAX), FP8MAX)
+    # IEEE divisions (Triton's `/` is approximate on the GPU): the values torch computes
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-12), FP8MAX)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8MAX), FP8MAX)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 

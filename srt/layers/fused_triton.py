@@ -164,7 +164,7 @@ def _rope_and_store_kernel(q_ptr, q_out_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin
 
 @triton.jit
 def _to_fp8(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
-    y = x.to(tl.float32) / scale
+    y = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division, as torch's (not approximate)
     return tl.minimum(tl.maximum(y, -QMAX), QMAX).to(dtype)
 
 

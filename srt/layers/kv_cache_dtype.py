@@ -5,8 +5,10 @@ layer writes `round_fp8(clamp(k / k_scale))` and every reader computes with `sto
 (the same for V), where `k_scale` / `v_scale` are one float per layer (`RadixAttention.k_scale`,
 `v_scale`): the checkpoint's `self_attn.k_scale` / `v_scale` when it has them, else 1.0. This
 step's own K/V may be attended to before or after the rounding, by backend (the Triton prefill
-and extend kernels use this step's values as computed; the torch and FlashInfer backends read
-them back from the pool); either way the cache holds the rounded values that later steps read.
+and extend kernels use this step's values as computed; the torch backend reads them back from
+the pool); either way the cache holds the rounded values that later steps read. The torch and
+Triton backends take an FP8 pool; FlashInfer is refused with one (not verified), and `auto`
+then stays on Triton.
 """
 
 from __future__ import annotations

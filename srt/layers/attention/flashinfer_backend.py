@@ -51,7 +51,6 @@ class FlashInferAttnBackend(AttentionBackend):
             ) from e
         self.device = runner.device
         self.dtype = runner.dtype
-        self.kv_dtype = runner.kv_cache_dtype  # FP8 pools: run() gets the layer's scales
         self.num_heads = runner.num_heads_per_rank()
         self.num_kv_heads = runner.model_kv_heads()
         self.head_dim = runner.config.head_dim
@@ -86,7 +85,7 @@ class FlashInferAttnBackend(AttentionBackend):
                 qo_cpu.to(self.device, non_blocking=True), indptr, indices, last,
                 self.num_heads, self.num_kv_heads, self.head_dim, 1,
                 causal=True, sm_scale=self.sm_scale,
-                q_data_type=self.dtype, kv_data_type=self.kv_dtype,
+                q_data_type=self.dtype, kv_data_type=self.dtype,
             )
         else:
             self._plan_decode(self.decode, fb)
@@ -97,7 +96,7 @@ class FlashInferAttnBackend(AttentionBackend):
         wrapper.plan(
             indptr, indices, self.last_page_len[: fb.batch_size], self.num_heads,
             self.num_kv_heads, self.head_dim, 1,
-            sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
+            sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype,
         )
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -136,15 +135,8 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
-        return self.prefill.run(q.contiguous(), self._paged(fb, layer), **self._scales(layer))
+        return self.prefill.run(q.contiguous(), self._paged(fb, layer))
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
-        return fb.attn_metadata.run(q.contiguous(), self._paged(fb, layer),
-                                    **self._scales(layer))
-
-    def _scales(self, layer: RadixAttention) -> dict[str, float]:
-        """An FP8 pool's per-tensor scales (FlashInfer multiplies them in); none otherwise."""
-        if self.kv_dtype == self.dtype:
-            return {}
-        return {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
+        return fb.attn_metadata.run(q.contiguous(), self._paged(fb, layer))
