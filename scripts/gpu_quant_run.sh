@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Quantization on one GPU, one part per call of a sitting (results under $OUT as res_$PART.tgz):
+#   PART=kernels  the GPU tests of the FP8 / AWQ / FP8-KV kernels and the attention kernels,
+#                 bench_quant_gemm.py, batch-1 latency of bf16 and AWQ int4 weights
+#   PART=1|2|3    copy that part of the vLLM bundle (scripts/gpu_peer_run.sh), and
+#                 1: srt W1 / B1 / W2 with --quantization fp8
+#                 2: the same with --kv-cache-dtype fp8_e4m3 as well
+#                 3: vLLM 0.26.0 W1 / B1 / W2 with --quantization fp8, then with
+#                    --kv-cache-dtype fp8 as well
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DEST=${OUT:-benchmarks/results/latest}
+export OUT=/tmp/res_$PART
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+peer() { bash scripts/gpu_peer_run.sh; }
+W="offline:llama3-8b latency:llama3-8b prefix:llama3-8b"
+case $PART in
+  kernels)
+    for t in tests/kernels/test_awq_triton.py tests/kernels/test_fp8_triton.py \
+             tests/kernels/test_kv_fp8.py tests/unit/test_fp8.py tests/kernels/test_fused_triton.py \
+             tests/kernels/test_triton_attention.py; do
+      echo "== $t" | tee -a "$OUT/tests.log"
+      timeout 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider "$t" 2>&1 | tail -25 \
+        | tee -a "$OUT/tests.log"
+    done
+    SRT=quantgemm QG_ARGS="--rows 1 8 32 512" peer
+    for cfg in "bf16:" "awq:--awq-group-size 128"; do
+      TAG=${cfg%%:*} SRT_ARGS="${cfg#*:}" SRT="latency:llama3-8b" peer
+    done ;;
+  1) TAG=fp8 SRT_ARGS="--quantization fp8" SRT=$W peer ;;
+  2) TAG=fp8kv SRT_ARGS="--quantization fp8 --kv-cache-dtype fp8_e4m3" SRT=$W peer ;;
+  3) TAG=fp8 VLLM=llama3-8b VLLM_ARGS="--quantization fp8" peer
+     TAG=fp8kv VLLM=llama3-8b VLLM_ARGS="--quantization fp8 --kv-cache-dtype fp8" peer ;;
+esac
+mkdir -p "$DEST" && tar czf "$DEST/res_$PART.tgz" -C "$OUT" .
