@@ -15,7 +15,8 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-peer() { bash scripts/gpu_peer_run.sh; }
+peer() { PART=$COPY bash scripts/gpu_peer_run.sh; }  # COPY: the bundle part to copy
+COPY=$PART; [ "$PART" = kernels ] && COPY=
 W="offline:llama3-8b latency:llama3-8b prefix:llama3-8b"
 case $PART in
   kernels)
@@ -32,7 +33,13 @@ case $PART in
     done ;;
   1) TAG=fp8 SRT_ARGS="--quantization fp8" SRT=$W peer ;;
   2) TAG=fp8kv SRT_ARGS="--quantization fp8 --kv-cache-dtype fp8_e4m3" SRT=$W peer ;;
-  3) TAG=fp8 VLLM=llama3-8b VLLM_ARGS="--quantization fp8" peer
-     TAG=fp8kv VLLM=llama3-8b VLLM_ARGS="--quantization fp8 --kv-cache-dtype fp8" peer ;;
+  3) mkdir -p /tmp/vllm-parts && cp .peer/3/* /tmp/vllm-parts/
+     source /tmp/vllm-parts/install_vllm.sh || exit 1
+     for cfg in "fp8:--quantization fp8" "fp8kv:--quantization fp8 --kv-cache-dtype fp8"; do
+       # shellcheck disable=SC2086
+       timeout 300 env $VLLM_ENV python3 /tmp/vllm-parts/vllm_bench.py llama3-8b ${cfg#*:} \
+         --out "$OUT/vllm_llama3-8b_${cfg%%:*}.json" > "$OUT/vllm_${cfg%%:*}.log" 2>&1
+       tail -8 "$OUT/vllm_${cfg%%:*}.log"
+     done ;;
 esac
 mkdir -p "$DEST" && tar czf "$DEST/res_$PART.tgz" -C "$OUT" .
