@@ -8,9 +8,10 @@ vectors (row-wise scaling: Hopper and newer). On the CPU, and wherever `_scaled_
 the shapes, the weight is dequantized to the activation dtype for each product: slow, exact to
 the dequantized weight, which is what the tests compare against.
 
-Left in the model dtype: the embeddings and the LM head (as vLLM and SGLang do), the vision
-tower and projector of LLaVA, and the experts of a mixture-of-experts layer (their FP8 kernel is
-not written yet; a warning says so).
+The experts of a mixture-of-experts layer are quantized the same way, expert by expert (one
+scale per output row), weight-only: srt/layers/moe.py reads them in FP8 and applies the scales
+to the products. Left in the model dtype: the embeddings, the LM head (as vLLM and SGLang do),
+the router, and the vision tower and projector of LLaVA.
 """
 
 from __future__ import annotations
@@ -112,27 +113,40 @@ def _set_fp8(module: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
     module.weight = None
 
 
-def _warn_moe(model: nn.Module, why: str) -> None:
-    if any(type(m).__name__ == "FusedMoE" for m in model.modules()):
-        logger.warning("%s: the experts of the mixture-of-experts layers stay in the model "
-                       "dtype (no FP8 expert kernel yet)", why)
+def _experts(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, layer) of every mixture-of-experts layer still in the model dtype."""
+    from srt.layers.moe import FusedMoE
+
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE) and not module.fp8:
+            yield name, module
+
+
+def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every expert [E, out, in] per output row: (q [E, out, in], scale [E, out])."""
+    qs = [quantize_per_channel(w[e]) for e in range(w.shape[0])]
+    return torch.stack([q for q, _ in qs]), torch.stack([sc for _, sc in qs])
 
 
 def quantize_model_fp8(model: nn.Module) -> int:
-    """Quantize every tensor-parallel linear layer of the language model in place (each rank
-    its shard); returns how many. The layers then compute through their `fp8` weight."""
+    """Quantize every tensor-parallel linear layer of the language model and every expert in
+    place (each rank its shard); returns how many layers (a mixture-of-experts layer counts
+    once). The layers then compute through their FP8 weights."""
     count = 0
     for _, module in list(_linears(model)):
         _set_fp8(module, *quantize_per_channel(module.weight.data))
         count += 1
-    _warn_moe(model, "--quantization fp8")
+    for _, moe in list(_experts(model)):
+        moe.set_fp8(*_quantize_experts(moe.w13_weight.data), *_quantize_experts(moe.w2_weight.data))
+        count += 1
     return count
 
 
 def prepare_fp8_checkpoint(model: nn.Module, quantized: Callable[[str], bool]) -> int:
     """Before loading an FP8 checkpoint: every linear layer whose weight the checkpoint holds
     in FP8 (`quantized(name)`) gets empty `qweight` / `weight_scale` parameters for the loader
-    to fill (its `weight` goes); returns how many."""
+    to fill (its `weight` goes), every such mixture-of-experts layer empty FP8 experts and
+    scales; returns how many layers."""
     count = 0
     for name, module in list(_linears(model)):
         if quantized(name):
@@ -140,7 +154,14 @@ def prepare_fp8_checkpoint(model: nn.Module, quantized: Callable[[str], bool]) -
             _set_fp8(module, torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device),
                      torch.empty(w.shape[0], dtype=torch.float32, device=w.device))
             count += 1
-    _warn_moe(model, "FP8 checkpoint")
+    for name, moe in list(_experts(model)):
+        if quantized(name):
+            w13, w2 = moe.w13_weight, moe.w2_weight
+            moe.set_fp8(torch.empty(w13.shape, dtype=FP8_DTYPE, device=w13.device),
+                        torch.empty(w13.shape[:2], dtype=torch.float32, device=w13.device),
+                        torch.empty(w2.shape, dtype=FP8_DTYPE, device=w2.device),
+                        torch.empty(w2.shape[:2], dtype=torch.float32, device=w2.device))
+            count += 1
     return count
 
 

@@ -5,7 +5,9 @@ intermediate dimension (w1/w3 column-parallel, w2 row-parallel), computes its pa
 the tokens routed to each expert, and the partial outputs are all-reduced once per layer. Routing is
 computed identically on every rank from the replicated router weights. On a GPU the experts run in
 the fused Triton kernel of moe_triton.py below TORCH_PATH_MIN_TOKENS tokens (decode, CUDA
-graphs) and in the torch loop below from there; on the CPU always in the torch loop.
+graphs) and in the torch loop below from there; on the CPU always in the torch loop. Experts in
+FP8 (`--quantization fp8`, FP8 checkpoints) are read as such by the fused kernel (converted in
+registers, the per-row scales applied to its products) and dequantized per expert by the loop.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.layers import parallel_state as ps
+from srt.layers.fp8 import dequantize
 from srt.layers.linear import _divide
 
 
@@ -46,11 +49,15 @@ def moe_forward_torch(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The plain torch path (CPU, and the reference of the fused kernel).
 
     x: [T, H]; w13: [E, 2 * I, H] (gate rows then up rows); w2: [E, H, I];
-    topk_weights, topk_ids: [T, k]. Returns sum_j weight_j * expert_{id_j}(x) as [T, H]."""
+    topk_weights, topk_ids: [T, k]. Returns sum_j weight_j * expert_{id_j}(x) as [T, H].
+    FP8 experts: w13 / w2 in float8_e4m3fn with per-row scales w13_scale [E, 2 * I] and
+    w2_scale [E, H]; each expert used is dequantized (q * scale, in x's dtype)."""
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     # the (token, choice) pairs sorted by expert, so each expert's tokens are one contiguous run
@@ -65,15 +72,22 @@ def moe_forward_torch(
         if n == 0:
             continue
         tok = tokens[start : start + n]
-        gate, up = F.linear(x.index_select(0, tok), w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e]) * weights[start : start + n, None]
+        a, b = w13[e], w2[e]
+        if w13_scale is not None:
+            a, b = dequantize(a, w13_scale[e], x.dtype), dequantize(b, w2_scale[e], x.dtype)
+        gate, up = F.linear(x.index_select(0, tok), a).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, b) * weights[start : start + n, None]
         out.index_add_(0, tok, y)
         start += n
     return out
 
 
 class FusedMoE(nn.Module):
-    """Every expert's weights stacked: w13_weight [E, 2 * I/tp, H], w2_weight [E, H, I/tp]."""
+    """Every expert's weights stacked: w13_weight [E, 2 * I/tp, H], w2_weight [E, H, I/tp].
+
+    In FP8 (`set_fp8`, srt/layers/fp8.py): the same tensors in float8_e4m3fn, with one scale
+    per output row of each expert's shard, w13_scale [E, 2 * I/tp] and w2_scale [E, H]
+    (weight-only: the activations stay in the model dtype)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -83,12 +97,29 @@ class FusedMoE(nn.Module):
         n = self.inter_per_rank
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * n, hidden), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, n), requires_grad=False)
+        self.w13_scale: nn.Parameter | None = None
+        self.w2_scale: nn.Parameter | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.w13_scale is not None
+
+    def set_fp8(self, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                w2_scale: torch.Tensor) -> None:
+        """Hold the experts in FP8: the four tensors as the class docstring says."""
+        for name, t in (("w13_weight", w13), ("w13_scale", w13_scale), ("w2_weight", w2),
+                        ("w2_scale", w2_scale)):
+            setattr(self, name, nn.Parameter(t, requires_grad=False))
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard_id: str
     ) -> None:
-        """One expert's checkpoint tensor: w1 (gate) and w3 (up) [I, H], w2 (down) [H, I]."""
+        """One expert's checkpoint tensor: w1 (gate) and w3 (up) [I, H], w2 (down) [H, I]; or,
+        into w13_scale / w2_scale, their per-row scales (srt.layers.fp8.weight_scale_rows)."""
         n = self.inter_per_rank
+        if param is self.w2_scale:  # one per output row H: whole on every rank
+            param.data[expert_id].copy_(loaded[:])
+            return
         if shard_id == "w2":
             param.data[expert_id].copy_(loaded.narrow(1, self.tp_rank * n, n))
             return
@@ -101,9 +132,11 @@ class FusedMoE(nn.Module):
                 x.shape[0] < TORCH_PATH_MIN_TOKENS or torch.cuda.is_current_stream_capturing()):
             from srt.layers.moe_triton import fused_moe_triton
 
-            out = fused_moe_triton(x, self.w13_weight, self.w2_weight, weights, ids)
+            out = fused_moe_triton(x, self.w13_weight, self.w2_weight, weights, ids,
+                                   w13_scale=self.w13_scale, w2_scale=self.w2_scale)
         else:
-            out = moe_forward_torch(x, self.w13_weight, self.w2_weight, weights, ids)
+            out = moe_forward_torch(x, self.w13_weight, self.w2_weight, weights, ids,
+                                    self.w13_scale, self.w2_scale)
         return ps.all_reduce(out)
 
 

@@ -43,13 +43,15 @@ def tile_config(num_pairs: int, num_experts: int) -> TileConfig:
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, weight_ptr, sorted_pairs_ptr, block_expert_ptr,
+    a_ptr, w_ptr, c_ptr, weight_ptr, sorted_pairs_ptr, block_expert_ptr, scale_ptr,
     num_pairs, N, K,
-    stride_am, stride_we, stride_wn, stride_wk, stride_cm,
+    stride_am, stride_we, stride_wn, stride_wk, stride_cm, stride_se,
     A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+    W_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """c[pair] = a[pair // A_ROW_DIV] @ w[expert of the block]^T (times weight[pair])."""
+    """c[pair] = a[pair // A_ROW_DIV] @ w[expert of the block]^T (times weight[pair]). With
+    W_SCALE, w is FP8 and row n of expert e stands for w[e, n] * scale[e, n]."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     # Each expert's run starts with real pairs, so a block whose first entry is padding holds
@@ -71,10 +73,15 @@ def _grouped_gemm_kernel(
         w = tl.load(w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
                     + kk[:, None] * stride_wk,
                     mask=(offs_n[None, :] < N) & (kk[:, None] < K), other=0.0)
+        if W_SCALE:
+            w = w.to(a.dtype)  # exact: every e4m3 value is a bf16 / fp16 / fp32 value
         if IEEE:
             acc += tl.dot(a, w, input_precision="ieee")
         else:
             acc += tl.dot(a, w)
+    if W_SCALE:
+        acc = acc * tl.load(scale_ptr + expert * stride_se + offs_n, mask=offs_n < N,
+                            other=0.0)[None, :]
     if MUL_WEIGHT:
         acc = acc * tl.load(weight_ptr + pairs, mask=valid, other=0.0)[:, None]
     tl.store(c_ptr + pairs[:, None] * stride_cm + offs_n[None, :],
@@ -113,16 +120,19 @@ def align_pairs_by_expert(
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, weights: torch.Tensor,
                   sorted_pairs: torch.Tensor, block_expert: torch.Tensor, a_row_div: int,
-                  mul_weight: bool, cfg: TileConfig) -> None:
+                  mul_weight: bool, cfg: TileConfig, scale: torch.Tensor | None = None) -> None:
     num_pairs = c.shape[0]
     n, k = w.shape[1], w.shape[2]
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, w, c, weights, sorted_pairs, block_expert, num_pairs, n, k,
+        a, w, c, weights, sorted_pairs, block_expert, scale if scale is not None else weights,
+        num_pairs, n, k,
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
+        scale.stride(0) if scale is not None else 0,
         A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, IEEE=a.dtype == torch.float32,
+        W_SCALE=scale is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -131,9 +141,11 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, weights: to
 def fused_moe_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, out: torch.Tensor | None = None, cfg: TileConfig | None = None,
+    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as srt.layers.moe.moe_forward_torch; writes into `out` when given.
-    `cfg` overrides the tile sizes `tile_config` picks from the shapes."""
+    """Same contract as srt.layers.moe.moe_forward_torch (FP8 experts with their scales
+    included); writes into `out` when given. `cfg` overrides the tile sizes `tile_config`
+    picks from the shapes."""
     num_tokens, top_k = topk_ids.shape
     hidden = x.shape[1]
     num_pairs = num_tokens * top_k
@@ -142,11 +154,12 @@ def fused_moe_triton(
     sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, w13.shape[0], cfg.block_m)
     weights = topk_weights.reshape(-1).float().contiguous()
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, weights, sorted_pairs, block_expert, top_k, False, cfg)
+    _grouped_gemm(x, w13, gate_up, weights, sorted_pairs, block_expert, top_k, False, cfg,
+                  w13_scale)
     gate, up = gate_up.chunk(2, dim=-1)
     act = (F.silu(gate) * up).contiguous()
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, down, weights, sorted_pairs, block_expert, 1, True, cfg)
+    _grouped_gemm(act, w2, down, weights, sorted_pairs, block_expert, 1, True, cfg, w2_scale)
     result = down.view(num_tokens, top_k, hidden).sum(dim=1)
     if out is None:
         return result

@@ -180,7 +180,7 @@ class ModelRunner:
 
             n = prepare_fp8_checkpoint(model, ckpt.quantized)
             self.quantization = f"fp8 ({ckpt.method} checkpoint)"
-            logger.info("FP8 checkpoint (%s): %d linear layers load in FP8 e4m3",
+            logger.info("FP8 checkpoint (%s): %d layers load in FP8 e4m3",
                         ckpt.method, n)
         elif ckpt is not None:
             from srt.layers.awq import prepare_awq_checkpoint
@@ -198,8 +198,9 @@ class ModelRunner:
 
             n = quantize_model_fp8(model)
             self.quantization = "fp8"
-            logger.info("quantization fp8: %d linear layers in FP8 e4m3 (per-channel weight "
-                        "scales, per-token activation scales)", n)
+            logger.info("quantization fp8: %d layers in FP8 e4m3 (linear layers: per-channel "
+                        "weight scales, per-token activation scales; experts: per-channel "
+                        "weight scales, activations in the model dtype)", n)
         return model.eval()
 
     def _pool_tokens(self, bytes_per_token: int, model_dtype_bytes_per_token: int) -> int:

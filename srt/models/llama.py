@@ -143,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
     expert_params = {
         "w1": ("w13_weight", "w1"), "w3": ("w13_weight", "w3"), "w2": ("w2_weight", "w2")
     }
-    _expert_name = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
+    _expert_name = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|weight_scale)$")
 
     @classmethod
     def arch_options(cls, config: Any) -> ArchOptions:
@@ -211,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
                     and params[target].dtype != FP8_DTYPE:
                 raise ValueError(f"{target!r} is FP8 in the checkpoint but srt keeps that "
                                  "layer in the model dtype (FP8 is loaded for the linear "
-                                 "layers of the language model only, not yet for experts)")
+                                 "layers and experts of the language model only)")
 
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -225,9 +225,16 @@ class LlamaForCausalLM(nn.Module):
                 continue
             expert = self._expert_name.match(name)
             if expert is not None:
-                prefix, expert_id, which = expert.groups()
+                prefix, expert_id, which, kind = expert.groups()
                 param_name, shard = self.expert_params[which]
+                if kind == "weight_scale":  # FP8 experts: w13_scale / w2_scale
+                    param_name = param_name.replace("_weight", "_scale")
+                    if f"{prefix}.{param_name}" not in params:
+                        raise ValueError(f"unexpected weight {name!r} in the checkpoint (its "
+                                         "experts are not FP8 in srt)")
                 target = f"{prefix}.{param_name}"
+                if kind == "weight_scale":
+                    tensor = weight_scale_rows(tensor, params[target].shape[1])
                 refuse_fp8(target, tensor)
                 self.get_submodule(prefix).weight_loader(
                     params[target], tensor, int(expert_id), shard

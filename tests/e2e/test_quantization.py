@@ -25,31 +25,38 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by outp
 ROW = ("o_proj", "down_proj")  # split by input columns
 
 
+EXPERT_COLUMN = ("w1", "w3")  # Mixtral's experts: gate and up, split by output rows
+EXPERT_ROW = ("w2",)  # down, split by input columns
+
+
+def _leaf(name: str) -> str:
+    """`q_proj` of `model.layers.0.self_attn.q_proj.weight` (empty for other tensors)."""
+    return name.rsplit(".", 2)[-2] if ".layers." in name and name.endswith(".weight") else ""
+
+
 def fp8_reference(path: str, tp: int) -> Reference:
-    """transformers' greedy ids and logprobs with every decoder linear weight replaced by its
-    FP8 round trip as rank r of `tp` holds it: a row-parallel weight's columns are cut in `tp`
-    blocks, each with its own per-row scales."""
-    from transformers import AutoModelForCausalLM
+    """transformers' greedy ids and logprobs with every decoder linear weight and expert
+    replaced by its FP8 round trip as rank r of `tp` holds it: a row-parallel weight's columns
+    are cut in `tp` blocks, each with its own per-row scales."""
+    from safetensors.torch import load_file
 
     from srt.layers.fp8 import dequantize, quantize_per_channel
-    from tests.e2e.test_models import hf_reference
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    state = load_file(os.path.join(path, "model.safetensors"))
     changed = 0
-    with torch.no_grad():
-        for name, mod in model.model.layers.named_modules():
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf in COLUMN or leaf in ROW:
-                w = mod.weight.data
-                blocks = w.chunk(tp, dim=1) if leaf in ROW else [w]
-                new = torch.cat([dequantize(*quantize_per_channel(b), torch.float32)
-                                 for b in blocks], dim=1)
-                changed += int(not torch.equal(new, w))
-                mod.weight.data.copy_(new)
-    assert changed == 2 * 7  # every linear layer of both decoder layers moved
+    for name, w in list(state.items()):
+        leaf = _leaf(name)
+        if leaf in COLUMN + ROW + EXPERT_COLUMN + EXPERT_ROW:
+            blocks = w.chunk(tp, dim=1) if leaf in ROW + EXPERT_ROW else [w]
+            new = torch.cat([dequantize(*quantize_per_channel(b), torch.float32)
+                             for b in blocks], dim=1)
+            changed += int(not torch.equal(new, w))
+            state[name] = new
+    quantized = COLUMN + ROW + EXPERT_COLUMN + EXPERT_ROW
+    assert changed == sum(1 for n in state if _leaf(n) in quantized)  # every one moved
     out = os.path.join(path, f"fp8_tp{tp}")
-    model.save_pretrained(out)
-    return hf_reference(out, PROMPTS, NEW_TOKENS)
+    shutil.copytree(path, out, ignore=shutil.ignore_patterns("fp8_tp*", "dequantized"))
+    return plain_reference(out, state)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +83,7 @@ def test_fp8_weights_equal_the_dequantized_reference(llama: str, tp: int) -> Non
         info = srv.server_info()
         assert info["quantization"] == "fp8" and info["kv_cache_dtype"] == "float32"
         # qkv, o, gate_up and down of each of the 2 layers
-        assert "quantization fp8: 8 linear layers in FP8 e4m3" in srv.log()
+        assert "quantization fp8: 8 layers in FP8 e4m3" in srv.log()
         _check(srv, ref)
         srv.assert_kv_invariant()
     finally:
@@ -94,11 +101,10 @@ def rewrite_checkpoint(src: str, dst: str, quantize: Callable[[str, torch.Tensor
     tensors = load_file(os.path.join(src, "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-        if ".layers." not in name or leaf not in COLUMN + ROW:
-            out[name] = t
-        else:
+        if _leaf(name) in COLUMN + ROW + EXPERT_COLUMN + EXPERT_ROW:
             out.update(quantize(name[: -len(".weight")], t))
+        else:
+            out[name] = t
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dst, "config.json")) as f:
         cfg = json.load(f)
@@ -142,24 +148,31 @@ def write_fp8_checkpoint(src: str, dst: str, method: str, strategy: str) -> None
     rewrite_checkpoint(src, dst, quantize, qc)
 
 
-def dequantized_reference(ckpt: str) -> Reference:
-    """transformers with every FP8 weight of `ckpt` replaced by q * scale (float32)."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+def plain_reference(ckpt: str, state: dict[str, torch.Tensor]) -> Reference:
+    """transformers' greedy ids and logprobs for `ckpt`'s config (without its
+    quantization_config) holding `state` (checkpoint names, float32)."""
+    from safetensors.torch import save_file
 
     from tests.e2e.test_models import hf_reference
 
-    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
     plain = os.path.join(ckpt, "dequantized")
-    cfg_path = os.path.join(ckpt, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg.pop("quantization_config")
     os.makedirs(plain, exist_ok=True)
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.pop("quantization_config", None)
+    cfg["torch_dtype"] = "float32"
     with open(os.path.join(plain, "config.json"), "w") as f:
         json.dump(cfg, f)
-    model = AutoModelForCausalLM.from_config(
-        __import__("transformers").AutoConfig.from_pretrained(plain), dtype=torch.float32)
+    save_file({k: v.float().contiguous() for k, v in state.items()},
+              os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
+    return hf_reference(plain, PROMPTS, NEW_TOKENS)
+
+
+def dequantized_reference(ckpt: str) -> Reference:
+    """transformers with every FP8 weight of `ckpt` replaced by q * scale (float32)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
     state = {}
     for name, t in tensors.items():
         if name.endswith((".weight_scale", ".input_scale")):
@@ -168,9 +181,7 @@ def dequantized_reference(ckpt: str) -> Reference:
             sc = tensors[name[: -len(".weight")] + ".weight_scale"].float()
             t = t.float() * (sc.reshape(-1, 1) if sc.numel() > 1 else sc)
         state[name] = t.float()
-    model.load_state_dict(state, strict=True)
-    model.eval().save_pretrained(plain)
-    return hf_reference(plain, PROMPTS, NEW_TOKENS)
+    return plain_reference(ckpt, state)
 
 
 @pytest.mark.parametrize("method,strategy,tp", [("fp8", "tensor", 1), ("fp8", "tensor", 2),
@@ -181,8 +192,42 @@ def test_fp8_checkpoint_equals_its_dequantized_weights(llama: str, tmp_path: Any
     write_fp8_checkpoint(llama, ckpt, method, strategy)
     ref = dequantized_reference(ckpt)
     _serve_and_check(ckpt, ref, f"fp8 ({method} checkpoint)",
-                     f"FP8 checkpoint ({method}): 8 linear layers load in FP8 e4m3",
+                     f"FP8 checkpoint ({method}): 8 layers load in FP8 e4m3",
                      "--tp-size", str(tp))
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: Any) -> str:
+    import transformers
+
+    from tests.e2e.test_models import MODELS
+
+    cfg, cls, over = MODELS["mixtral"]
+    return save_random_model(str(tmp_path_factory.mktemp("mixtral_fp8")),
+                             getattr(transformers, cfg), getattr(transformers, cls),
+                             random_vectors=True, **{**SMALL, **over})
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_mixtral_experts_equal_the_dequantized_reference(mixtral: str, tp: int) -> None:
+    """`--quantization fp8` on Mixtral: attention and every expert in FP8 (the router and
+    embeddings not); at tp 2 each rank quantizes its column block of the experts' w2."""
+    ref = fp8_reference(mixtral, tp)
+    srv = _serve(mixtral, "--quantization", "fp8", "--tp-size", str(tp))
+    try:
+        # qkv and o of each of the 2 layers, and the 2 expert layers
+        assert "quantization fp8: 6 layers in FP8 e4m3" in srv.log()
+        _check(srv, ref)
+    finally:
+        srv.stop()
+
+
+def test_fp8_mixtral_checkpoint(mixtral: str, tmp_path: Any) -> None:
+    """An AutoFP8 Mixtral checkpoint (per-tensor scales, experts included) at tp 2."""
+    ckpt = str(tmp_path / "mixtral-fp8")
+    write_fp8_checkpoint(mixtral, ckpt, "fp8", "tensor")
+    _serve_and_check(ckpt, dequantized_reference(ckpt), "fp8 (fp8 checkpoint)",
+                     "FP8 checkpoint (fp8): 6 layers load in FP8 e4m3", "--tp-size", "2")
 
 
 def _serve_and_check(ckpt: str, ref: Reference, quantization: str, log_line: str,
@@ -215,21 +260,10 @@ def write_awq_checkpoint(src: str, dst: str, group: int) -> None:
 def awq_dequantized_reference(ckpt: str) -> Reference:
     """transformers with every AWQ layer of `ckpt` replaced by its dequantized weight."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from srt.layers.awq import dequantize_awq
-    from tests.e2e.test_models import hf_reference
 
     tensors = load_file(os.path.join(ckpt, "model.safetensors"))
-    plain = os.path.join(ckpt, "dequantized")
-    with open(os.path.join(ckpt, "config.json")) as f:
-        cfg = json.load(f)
-    cfg.pop("quantization_config")
-    os.makedirs(plain, exist_ok=True)
-    with open(os.path.join(plain, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plain),
-                                             dtype=torch.float32)
     state = {}
     for name, t in tensors.items():
         if name.endswith((".qzeros", ".scales")):
@@ -240,9 +274,7 @@ def awq_dequantized_reference(ckpt: str) -> Reference:
                                                      tensors[base + ".scales"], torch.float32)
         else:
             state[name] = t.float()
-    model.load_state_dict(state, strict=True)
-    model.eval().save_pretrained(plain)
-    return hf_reference(plain, PROMPTS, NEW_TOKENS)
+    return plain_reference(ckpt, state)
 
 
 @pytest.mark.parametrize("group,tp", [(128, 1), (32, 2)])

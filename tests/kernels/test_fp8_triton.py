@@ -19,6 +19,16 @@ from srt.layers.fp8_triton import quantize_per_token_triton  # noqa: E402
 from tests.kernels.test_kv_fp8 import DEV, _fp8_equal  # noqa: E402
 
 
+def _same_scales(s: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal on the CPU. On the GPU torch divides a tensor by a number as a multiplication by
+    its reciprocal (one rounding more) while the kernel divides: within an ulp, and the
+    e4m3 values then within one step where a value sits at a rounding boundary."""
+    if DEV == "cpu":
+        assert torch.equal(s, want)
+    else:
+        torch.testing.assert_close(s, want, rtol=2.5e-7, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("m,k", [(1, 64), (5, 96), (3, 1000)])
 def test_quantize_per_token_kernel(dtype: torch.dtype, m: int, k: int) -> None:
@@ -28,8 +38,8 @@ def test_quantize_per_token_kernel(dtype: torch.dtype, m: int, k: int) -> None:
     q, s = quantize_per_token_triton(x)
     want_q, want_s = quantize_per_token(x)
     assert q.dtype == want_q.dtype and s.shape == (m, 1) and s.dtype == torch.float32
-    assert torch.equal(s, want_s)
-    _fp8_equal(q.float(), want_q.float())
+    _same_scales(s, want_s)
+    _fp8_equal(q.float(), want_q.float(), exact=DEV == "cpu")
 
 
 def test_zero_row_and_strided_rows() -> None:
@@ -49,4 +59,5 @@ def test_gpu_quantize_per_token(k: int) -> None:
     x = torch.randn(300, k, device="cuda", dtype=torch.bfloat16)
     q, s = quantize_per_token_triton(x)
     want_q, want_s = quantize_per_token(x)
-    assert torch.equal(s, want_s) and torch.equal(q.float(), want_q.float())
+    _same_scales(s, want_s)
+    _fp8_equal(q.float(), want_q.float(), exact=False)

@@ -193,7 +193,11 @@ def test_rope_and_store_fp8(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     else:
         _fp8_equal(k_buf[loc].float(), want_k, exact=False)
     _fp8_equal(v_buf[loc].float(), want_v)
-    assert torch.equal(k.float(), ref_k.float()) or dtype != torch.float32
+    # k is rotated in place, as torch rotates it (the GPU contracts a multiply and an add
+    # into one fused multiply-add: within an ulp there, as test_fused_triton allows)
+    torch.testing.assert_close(k.float(), ref_k.float(), rtol=0 if DEV == "cpu" and
+                               dtype == torch.float32 else 8e-3, atol=0 if DEV == "cpu" and
+                               dtype == torch.float32 else 3e-2)
     others = torch.ones(40, dtype=torch.bool)
     others[loc.cpu()] = False
     assert k_buf[others.to(DEV)].float().isnan().all()
