@@ -51,10 +51,11 @@ class ServerArgs:
         "checkpoint must be AWQ int4 (detected from its quantization_config anyway).",
         ("fp8", "awq"))
     kv_cache_dtype: str = _f(
-        "auto", "Storage dtype of the KV cache. auto: the model dtype. fp8_e4m3 / fp8_e5m2: one "
-        "byte per value (the pool holds twice the tokens of bf16), a per-tensor scale per layer "
-        "from the checkpoint's k_scale / v_scale when present, else 1.0.",
-        ("auto", "fp8_e4m3", "fp8_e5m2"))
+        "auto", "Storage dtype of the KV cache. auto: the model dtype. fp8_e4m3 (or fp8) / "
+        "fp8_e5m2: one byte per value (the pool holds twice the tokens of bf16), a per-tensor "
+        "scale per layer from the checkpoint's k_scale / v_scale when present, else 1.0; torch "
+        "and triton attention (auto picks triton).",
+        ("auto", "fp8_e4m3", "fp8_e5m2", "fp8"))
     attention_backend: str = _f(
         "auto", "Attention implementation; auto picks triton on a GPU (its decode measured "
         "faster than flashinfer's; with flashinfer installed, its prefill for EXTEND steps), and "

@@ -18,6 +18,7 @@ import torch
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "fp8": torch.float8_e4m3fn,  # vLLM's spelling
 }
 
 

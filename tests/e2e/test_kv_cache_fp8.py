@@ -171,4 +171,8 @@ def test_cli_choices() -> None:
     with pytest.raises(SystemExit):
         ServerArgs.from_cli(["--kv-cache-dtype", "int8"])
     assert ServerArgs.from_cli(["--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
+    from srt.layers.kv_cache_dtype import resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype("fp8", torch.bfloat16) == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert json.loads(json.dumps(ServerArgs().kv_cache_dtype)) == "auto"
