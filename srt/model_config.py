@@ -162,6 +162,9 @@ def check_quantization(path: str, asked: str | None = None) -> None:
     from srt.layers.quant_config import checkpoint_quant
 
     ckpt = checkpoint_quant(path)
+    if asked == "fp8" and ckpt is not None and ckpt.method == "awq":
+        raise ValueError("--quantization fp8 on an AWQ checkpoint: its int4 weights load as "
+                         "they are; drop --quantization (or pass --quantization awq)")
     if asked == "awq" and (ckpt is None or ckpt.method != "awq"):
         raise ValueError("--quantization awq needs an AWQ checkpoint (quantization_config with "
                          f"quant_method 'awq'); {path} is "

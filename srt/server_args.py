@@ -45,10 +45,11 @@ class ServerArgs:
     load_format: str = _f("auto", "auto/safetensors read the checkpoint; dummy uses random "
                           "weights (benchmarks).", ("auto", "safetensors", "dummy"))
     quantization: str | None = _f(
-        None, "Weight quantization. fp8: the linear layers of the language model quantized to "
-        "FP8 (e4m3) at load, one scale per output channel, activations per token (GPU: "
-        "torch._scaled_mm on Hopper or newer; CPU: dequantized per product). awq: the "
-        "checkpoint must be AWQ int4 (detected from its quantization_config anyway).",
+        None, "Weight quantization. fp8: the linear layers and experts of the language model "
+        "quantized to FP8 (e4m3) at load, one scale per output channel; linear layers scale "
+        "activations per token (GPU: torch._scaled_mm on Hopper or newer; CPU: dequantized per "
+        "product), experts are weight-only. awq: the checkpoint must be AWQ int4 (detected "
+        "from its quantization_config anyway).",
         ("fp8", "awq"))
     kv_cache_dtype: str = _f(
         "auto", "Storage dtype of the KV cache. auto: the model dtype. fp8_e4m3 (or fp8) / "

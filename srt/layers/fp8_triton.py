@@ -20,7 +20,8 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, n, stride_x, stride_q,
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    # IEEE divisions (Triton's `/` is approximate on the GPU): the values torch computes
+    # IEEE divisions (Triton's `/` is approximate on the GPU): torch's values on the CPU; on
+    # the GPU torch multiplies by the reciprocal, an ulp away at most
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-12), FP8MAX)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8MAX), FP8MAX)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -29,7 +30,8 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, n, stride_x, stride_q,
 
 def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_q [M, K] float8_e4m3fn, scale [M, 1] float32) with x ~= x_q * scale, for x [M, K]
-    with contiguous rows; the same values as srt.layers.fp8.quantize_per_token."""
+    with contiguous rows; srt.layers.fp8.quantize_per_token's values (an ulp of the scale and
+    one e4m3 step apart at most, where torch multiplies by a reciprocal)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError("quantize_per_token_triton takes [M, K] with contiguous rows")
     m, k = x.shape

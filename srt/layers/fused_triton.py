@@ -164,7 +164,9 @@ def _rope_and_store_kernel(q_ptr, q_out_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin
 
 @triton.jit
 def _to_fp8(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
-    y = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division, as torch's (not approximate)
+    # IEEE division (Triton's `/` is approximate on the GPU); torch divides a CUDA tensor by a
+    # number through its reciprocal, so the two may round one FP8 step apart
+    y = tl.math.div_rn(x.to(tl.float32), scale)
     return tl.minimum(tl.maximum(y, -QMAX), QMAX).to(dtype)
 
 

@@ -44,17 +44,39 @@ class CheckpointQuant:
         return self.method in ("fp8", "compressed-tensors")
 
     def quantized(self, module_name: str) -> bool:
-        """Whether the checkpoint holds this module's weight in FP8 (an `ignore` entry matches
-        the module's name or its last part; a "re:" entry is a regular expression)."""
+        """Whether the checkpoint holds this srt module's weight quantized. srt's merged layers
+        (`qkv_proj`, `gate_up_proj`) stand for the checkpoint's parts (`q_proj`, ...): they are
+        quantized when no part is ignored, and a layer with some parts ignored and others not
+        is refused (ValueError), as it cannot be one product."""
+        head, _, leaf = module_name.rpartition(".")
+        parts = [f"{head}.{p}" if head else p for p in _MERGED.get(leaf, (leaf,))]
+        kept = [p for p in parts if self._ignored(p)]
+        if kept and len(kept) < len(parts):
+            raise ValueError(f"the checkpoint quantizes only some of {', '.join(parts)} "
+                             f"({self.method}: {', '.join(kept)} left unquantized), which srt "
+                             f"computes as one layer ({module_name})")
+        return not kept
+
+    def _ignored(self, name: str) -> bool:
+        """An ignore entry matches the module's name or its last parts; a "re:" entry is a
+        regular expression; AWQ's `modules_to_not_convert` are substrings, as AutoAWQ reads
+        them."""
         import re
 
         for pat in self.ignore:
             if pat.startswith("re:"):
-                if re.match(pat[3:], module_name):
-                    return False
-            elif module_name == pat or module_name.endswith("." + pat):
-                return False
-        return True
+                if re.match(pat[3:], name):
+                    return True
+            elif self.method == "awq":
+                if pat in name:
+                    return True
+            elif name == pat or name.endswith("." + pat):
+                return True
+        return False
+
+
+# srt's merged linear layers and the checkpoint modules they hold
+_MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def _read_config(path: str) -> dict[str, Any]:

@@ -90,7 +90,12 @@ class ModelRunner:
         if args.enable_custom_all_reduce:
             parallel_state.init_one_shot_all_reduce(ONE_SHOT_MAX_BYTES, self.dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.device.type == "cuda":
+            # the model-dtype weights that quantization replaced are free now: give the cached
+            # blocks back so that the pool sizing below counts them as free
+            torch.cuda.empty_cache()
         self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
+        self._check_fp8_support()
         kv_values_per_token = 2 * config.num_layers * self.model_kv_heads() * config.head_dim
         self.max_total_num_tokens = self._pool_tokens(
             kv_values_per_token * self.kv_cache_dtype.itemsize,
@@ -131,6 +136,20 @@ class ModelRunner:
             else:
                 logger.info("attention backend %s has no CUDA graph support: decoding without",
                             self.backend_name)
+
+    def _check_fp8_support(self) -> None:
+        """Triton's e4m3 needs compute capability 8.9 (Ada, Hopper) or newer: refuse an e4m3 KV
+        cache and FP8 experts (read by Triton kernels) on older GPUs, at start-up."""
+        if self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) >= (8, 9):
+            return
+        experts = any(getattr(m, "fp8", False) is True for m in self.model.modules())
+        if self.kv_cache_dtype == torch.float8_e4m3fn or experts:
+            what = "--kv-cache-dtype fp8_e4m3" if not experts else "FP8 experts"
+            raise RuntimeError(f"{what} needs a GPU of compute capability 8.9 or newer (FP8 e4m3 "
+                               f"in Triton); this one is "
+                               f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}"
+                               "; use --kv-cache-dtype fp8_e5m2 or auto, and for experts an "
+                               "unquantized checkpoint")
 
     def _attention_layers(self) -> list[RadixAttention]:
         return [m for m in self.model.modules() if isinstance(m, RadixAttention)]

@@ -130,6 +130,13 @@ class LlamaModel(nn.Module):
         return x
 
 
+def _is_fp8(tensor: Any) -> bool:
+    """A checkpoint tensor (CheckpointTensor or torch.Tensor) stored in FP8."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point
+    return getattr(tensor, "dtype_name", "").startswith("F8")
+
+
 class LlamaForCausalLM(nn.Module):
     # checkpoint name fragment -> (our fragment, shard id)
     stacked_params = [
@@ -175,7 +182,6 @@ class LlamaForCausalLM(nn.Module):
         """A checkpoint's per-tensor KV-cache scale (`...self_attn.k_scale`, `v_scale`, or
         `kv_scale` for both), kept on the layer's RadixAttention for an FP8 KV cache."""
         owner, which = name.rsplit(".", 1)
-        owner = owner.removesuffix(".k_proj").removesuffix(".v_proj")  # some tools' layout
         attn = self.get_submodule(owner + ".attn")
         t = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
         value = float(t.float().reshape(-1)[0])
@@ -198,6 +204,11 @@ class LlamaForCausalLM(nn.Module):
             if target.endswith(".weight") and target not in params:
                 fp8 = target[: -len(".weight")] + ".qweight"
                 if fp8 in params:
+                    if not _is_fp8(tensor) or params[fp8].dtype != FP8_DTYPE:
+                        raise ValueError(f"{name!r} is {getattr(tensor, 'dtype_name', '')} in "
+                                         "the checkpoint but srt holds that layer quantized "
+                                         f"({params[fp8].dtype}): its quantization_config "
+                                         "does not match its tensors")
                     return fp8, tensor
             if target.endswith(".weight_scale") and target in params:
                 return target, weight_scale_rows(tensor, params[target].shape[0])
@@ -207,8 +218,7 @@ class LlamaForCausalLM(nn.Module):
         def refuse_fp8(target: str, tensor: Any) -> None:
             """An FP8 tensor for a parameter srt keeps in the model dtype would lose its scale:
             refused rather than loaded wrong."""
-            if getattr(tensor, "dtype_name", "").startswith("F8") and target in params \
-                    and params[target].dtype != FP8_DTYPE:
+            if _is_fp8(tensor) and target in params and params[target].dtype != FP8_DTYPE:
                 raise ValueError(f"{target!r} is FP8 in the checkpoint but srt keeps that "
                                  "layer in the model dtype (FP8 is loaded for the linear "
                                  "layers and experts of the language model only)")
@@ -220,6 +230,11 @@ class LlamaForCausalLM(nn.Module):
                 continue  # a static activation scale: activations are scaled per token
             if name.endswith((".k_scale", ".v_scale", ".kv_scale")):
                 self._load_kv_scale(name, tensor)
+                continue
+            if name.endswith((".k_proj.output_scale", ".v_proj.output_scale")):
+                # older llm-compressor checkpoints: the KV scales as the projections' outputs'
+                self._load_kv_scale(name.replace(".k_proj.output_scale", ".k_scale")
+                                    .replace(".v_proj.output_scale", ".v_scale"), tensor)
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue

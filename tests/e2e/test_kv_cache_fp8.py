@@ -152,6 +152,23 @@ def test_checkpoint_kv_scales_are_read(llama: str, tmp_path: Any, baseline: dict
     _assert_close(got, baseline["logprobs"], "fp8_e4m3")
 
 
+def test_output_scale_names_are_kv_scales(llama: str) -> None:
+    """Older llm-compressor checkpoints: `k_proj.output_scale` / `v_proj.output_scale`."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from srt.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(llama), 256)
+    state = load_file(os.path.join(llama, "model.safetensors"))
+    state["model.layers.1.self_attn.k_proj.output_scale"] = torch.tensor([0.5])
+    state["model.layers.1.self_attn.v_proj.output_scale"] = torch.tensor([0.25])
+    model.load_weights(state.items())
+    attn = model.model.layers[1].self_attn.attn
+    assert (attn.k_scale, attn.v_scale) == (0.5, 0.25)
+    assert model.model.layers[0].self_attn.attn.k_scale == 1.0
+
+
 def test_a_non_positive_kv_scale_is_refused(llama: str) -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig

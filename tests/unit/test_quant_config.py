@@ -82,3 +82,28 @@ def test_ignore_entries() -> None:
     assert not q.quantized("model.layers.0.mlp.gate")
     assert q.quantized("model.layers.0.mlp.gate_up_proj")
     assert q.quantized("model.layers.0.self_attn.qkv_proj")
+
+
+def test_ignore_entries_name_the_checkpoint_modules() -> None:
+    """Tools name q_proj / gate_proj; srt's layers are qkv_proj / gate_up_proj."""
+    q = CheckpointQuant("fp8", ("model.layers.0.self_attn.q_proj", "k_proj", "v_proj"))
+    assert not q.quantized("model.layers.0.self_attn.qkv_proj")
+    with pytest.raises(ValueError, match="quantizes only some of"):
+        q.quantized("model.layers.1.self_attn.qkv_proj")  # k, v ignored, q not
+    both = CheckpointQuant("fp8", ("gate_proj", "up_proj"))
+    assert not both.quantized("model.layers.3.mlp.gate_up_proj")
+    assert both.quantized("model.layers.3.mlp.down_proj")
+    # AWQ: substrings, as AutoAWQ matches them
+    awq = CheckpointQuant("awq", ("layers.1.",), 128)
+    assert not awq.quantized("model.layers.1.mlp.gate_up_proj")
+    assert awq.quantized("model.layers.11.mlp.gate_up_proj")
+
+
+def test_quantization_flag_against_the_checkpoint(tmp_path: Any) -> None:
+    from srt.model_config import check_quantization
+
+    awq = _ckpt(tmp_path, {"quant_method": "awq", "bits": 4, "group_size": 128})
+    check_quantization(awq, "awq")
+    with pytest.raises(ValueError, match="--quantization fp8 on an AWQ checkpoint"):
+        check_quantization(awq, "fp8")
+

@@ -127,8 +127,11 @@ def resolve_step_backends(attention: str, prefill: str | None, decode: str | Non
             and _importable("flashinfer") and not fp8_kv):
         step_prefill = "flashinfer"
     if fp8_kv and "flashinfer" in (step_prefill, step_decode):
+        if attention == "auto" and prefill is None and decode is None:
+            return "torch", "torch"  # auto's pick without Triton
         raise ValueError("the flashinfer attention backend does not take an FP8 KV cache in "
-                         "srt yet: use --attention-backend triton (or torch), or "
+                         "srt yet: choose triton or torch for every step (--attention-backend, "
+                         "--prefill-attention-backend, --decode-attention-backend), or "
                          "--kv-cache-dtype auto")
     return step_prefill, step_decode
 
