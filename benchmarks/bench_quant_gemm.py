@@ -6,7 +6,7 @@ weight-read floor.
 For each layer (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) and rows
 M: device time per product of bf16 (`F.linear`), FP8 (per-token activation quantization +
 `torch._scaled_mm`, srt/layers/fp8.py) and AWQ int4 group 128 (srt/layers/awq_triton.py).
-Times are of 20 products replayed in one CUDA graph (no launch gaps). The floor is the weight
+Times are of 20 products replayed in one CUDA graph (no launch gaps; the median of 20 replays). The floor is the weight
 bytes over the copy bandwidth measured in the same run. `--sweep` also times the fused AWQ
 kernel's tile and split choices at M = 1 and prints the best per layer next to the default's.
 """
@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_attention import graph_time_ms
 from benchmarks.common import copy_bandwidth, hardware, print_table, write_json
 
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -30,29 +31,11 @@ REPS = 20
 
 
 def graph_ms(fn: Callable[[], Any]) -> float:
-    """Device ms per call of fn: REPS calls captured in one CUDA graph, the median of 10
-    replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / REPS)
-    return sorted(times)[len(times) // 2]
+    """Device ms per call of fn: REPS calls replayed from one CUDA graph."""
+    ms = graph_time_ms(lambda: [fn() for _ in range(REPS)])
+    if ms is None:
+        raise RuntimeError("the product could not be captured in a CUDA graph")
+    return ms / REPS
 
 
 def main() -> None:
