@@ -19,7 +19,6 @@ which is what the tests compare against).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,8 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.layers.linear import tp_param
-
-logger = logging.getLogger(__name__)
 
 PACK = 8  # 4-bit values per int32
 # AutoAWQ packs columns c = 0..7 of each group of eight at these bit offsets (its order
@@ -125,15 +122,13 @@ def set_awq(module: nn.Module, group: int) -> None:
 
 def prepare_awq_checkpoint(model: nn.Module, quantized: Callable[[str], bool], group: int) -> int:
     """Before loading an AWQ checkpoint: every linear layer of the language model the
-    checkpoint quantizes gets its AWQ parameters; returns how many."""
-    from srt.layers.fp8 import _linears
+    checkpoint quantizes gets its AWQ parameters; returns how many. (Mixture-of-experts AWQ
+    checkpoints are refused before: srt/layers/quant_config.py.)"""
+    from srt.layers.fp8 import quantizable_linears
 
     count = 0
-    for name, module in list(_linears(model)):
+    for name, module in list(quantizable_linears(model)):
         if quantized(name):
             set_awq(module, group)
             count += 1
-    if any(type(m).__name__ == "FusedMoE" for m in model.modules()):
-        logger.warning("AWQ checkpoint: the experts of the mixture-of-experts layers are not "
-                       "loaded in int4 (no AWQ expert kernel); such a checkpoint is refused")
     return count

@@ -16,14 +16,11 @@ the router, and the vision tower and projector of LLaVA.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -59,7 +56,7 @@ class Fp8Weight:
 
     qweight: torch.Tensor
     scale: torch.Tensor
-    scaled_mm: bool = False
+    scaled_mm: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.scaled_mm = scaled_mm_ok(self.qweight)
@@ -90,7 +87,7 @@ def scaled_mm_ok(q: torch.Tensor) -> bool:
 _KEEP = ("vision_tower", "multi_modal_projector", "lm_head", "embed")
 
 
-def _linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(name, layer) of every tensor-parallel linear layer of the language model still in the
     model dtype."""
     from srt.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -133,7 +130,7 @@ def quantize_model_fp8(model: nn.Module) -> int:
     place (each rank its shard); returns how many layers (a mixture-of-experts layer counts
     once). The layers then compute through their FP8 weights."""
     count = 0
-    for _, module in list(_linears(model)):
+    for _, module in list(quantizable_linears(model)):
         _set_fp8(module, *quantize_per_channel(module.weight.data))
         count += 1
     for _, moe in list(_experts(model)):
@@ -148,7 +145,7 @@ def prepare_fp8_checkpoint(model: nn.Module, quantized: Callable[[str], bool]) -
     to fill (its `weight` goes), every such mixture-of-experts layer empty FP8 experts and
     scales; returns how many layers."""
     count = 0
-    for name, module in list(_linears(model)):
+    for name, module in list(quantizable_linears(model)):
         if quantized(name):
             w = module.weight
             _set_fp8(module, torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device),
