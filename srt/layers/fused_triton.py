@@ -190,7 +190,7 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     if store:
         assert v_buf is not None and loc is not None
         assert k_buf.stride(1) == dim and k_buf.stride(2) == 1 and v_buf.stride() == k_buf.stride()
-    quant = store and k_buf.dtype != k.dtype and is_fp8(k_buf.dtype)
+    quant = store and is_fp8(k_buf.dtype)
     q_out = torch.empty((t, num_q, dim), dtype=q.dtype, device=q.device)
     if t == 0:
         return q_out

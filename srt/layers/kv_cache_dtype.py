@@ -56,4 +56,4 @@ def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Te
 
 def store_kv(buf: torch.Tensor, loc: torch.Tensor, x: torch.Tensor, scale: float) -> None:
     """buf[loc] = x, quantized when buf holds FP8."""
-    buf[loc] = quantize_kv(x, scale, buf.dtype) if buf.dtype != x.dtype and is_fp8(buf.dtype) else x
+    buf[loc] = quantize_kv(x, scale, buf.dtype) if is_fp8(buf.dtype) else x
