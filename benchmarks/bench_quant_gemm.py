@@ -1,14 +1,17 @@
 """The linear layers' products per weight format at the Llama-3-8B layer sizes, against the
 weight-read floor.
 
-    python3 benchmarks/bench_quant_gemm.py --out quant_gemm.json [--sweep]
+    python3 benchmarks/bench_quant_gemm.py --out quant_gemm.json [--rows 1 8 ...] [--sweep]
 
 For each layer (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) and rows
-M: device time per product of bf16 (`F.linear`), FP8 (per-token activation quantization +
-`torch._scaled_mm`, srt/layers/fp8.py) and AWQ int4 group 128 (srt/layers/awq_triton.py).
-Times are of 20 products replayed in one CUDA graph (no launch gaps; the median of 20 replays). The floor is the weight
-bytes over the copy bandwidth measured in the same run. `--sweep` also times the fused AWQ
-kernel's tile and split choices at M = 1 and prints the best per layer next to the default's.
+M: device time per product of bf16 (`F.linear`), FP8 as srt runs it (srt/layers/fp8.py: the
+weight-only kernel up to WEIGHT_ONLY_MAX_ROWS rows, else per-token activation quantization +
+`torch._scaled_mm`), FP8 through `_scaled_mm` at every M (`fp8_smm`), and AWQ int4 group 128
+(srt/layers/awq.py AwqKernelWeight). Times are of 20 products replayed in one CUDA graph (no
+launch gaps; the median of 20 replays), each on its own copy of the weight (copies of at
+least 200 MB together, so that weights come from memory, not the L2). The floor is the weight bytes over the copy bandwidth
+measured in the same run. `--sweep` also times the weight-only kernel's tiles (both formats)
+at each M and prints the best per layer, format and M next to the default's.
 """
 
 from __future__ import annotations
@@ -26,71 +29,112 @@ from benchmarks.common import copy_bandwidth, hardware, print_table, write_json
 
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
-ROWS = [1, 8, 32, 128, 512, 2048]
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 512]
 REPS = 20
+# Each product reads one of several copies of its weight, together at least this many bytes,
+# so that the weight comes from memory (as a model's layers do), not from the 50 MB L2.
+ROTATE_BYTES = 200 << 20
 
 
-def graph_ms(fn: Callable[[], Any]) -> float:
-    """Device ms per call of fn: REPS calls replayed from one CUDA graph."""
-    ms = graph_time_ms(lambda: [fn() for _ in range(REPS)])
+def graph_ms(fn: Callable[[int], Any]) -> float:
+    """Device ms per call of fn: fn(0) .. fn(REPS - 1) replayed from one CUDA graph."""
+    ms = graph_time_ms(lambda: [fn(i) for i in range(REPS)])
     if ms is None:
         raise RuntimeError("the product could not be captured in a CUDA graph")
     return ms / REPS
+
+
+def sweep_configs(m: int) -> list[Any]:
+    """The weight-only kernel's tiles tried at m rows."""
+    from srt.layers.quant_gemm_triton import WoConfig
+
+    gemv = [WoConfig(1, bn, bk, 1, w) for bn, bk, w in itertools.product(
+        (4, 8, 16, 32), (256, 512), (2, 4))]
+    gemv += [WoConfig(1, bn, 512, 2, 4) for bn in (16, 32)]
+    dot = [WoConfig(bm, bn, bk, sp, 4) for bm, bn, bk, sp in itertools.product(
+        (16,) if m <= 16 else (16, 64), (32, 64, 128), (64, 128), (1, 2, 4))]
+    return (gemv if m <= 4 else []) + dot
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=ROWS)
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_quant_gemm needs a CUDA GPU")
-    from srt.layers.awq import quantize_awq
-    from srt.layers.awq_triton import awq_gemm, awq_matmul
+    from srt.layers.awq import AwqKernelWeight, AwqWeight, quantize_awq
     from srt.layers.fp8 import Fp8Weight, quantize_per_channel
+    from srt.layers.fp8_triton import quantize_per_token_triton
+    from srt.layers.quant_gemm_triton import default_config, wo_matmul
 
     bw = copy_bandwidth()
     rows_out: list[dict[str, Any]] = []
     sweep_out: list[dict[str, Any]] = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in LAYERS.items():
-        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * k**-0.5
-        fp8 = Fp8Weight(*quantize_per_channel(w))
-        awq = [t.cuda() for t in quantize_awq(w.float().cpu(), 128)]
+        w0 = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * k**-0.5
+        fp80 = Fp8Weight(*quantize_per_channel(w0))
+        awq0 = AwqKernelWeight.from_checkpoint(
+            AwqWeight(*(t.cuda() for t in quantize_awq(w0.float().cpu(), 128))))
+        ws = [w0] + [w0.clone() for _ in range(-(-ROTATE_BYTES // (n * k * 2)) - 1)]
+        fp8s = [fp80] + [Fp8Weight(fp80.qweight.clone(), fp80.scale.clone())
+                         for _ in range(-(-ROTATE_BYTES // (n * k)) - 1)]
+        awqs = [awq0] + [AwqKernelWeight(awq0.w.clone(), awq0.scales.clone(), awq0.zeros.clone())
+                         for _ in range(-(-ROTATE_BYTES // (n * k // 2)) - 1)]
         floors = {"bf16": n * k * 2 / bw * 1e3, "fp8": n * k / bw * 1e3,
-                  "awq": (n * k / 2 + n * k / 128 * 2.5) / bw * 1e3}
+                  "awq": (n * k / 2 + n * k / 128 * 3) / bw * 1e3}
+
+        def smm(x: torch.Tensor, fp8: Fp8Weight) -> torch.Tensor:
+            xq, xs = quantize_per_token_triton(x)
+            return torch._scaled_mm(xq, fp8.qweight.t(), scale_a=xs, scale_b=fp8.scale_row,
+                                    out_dtype=x.dtype)
+
         for m in a.rows:
             x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
-            xh = x.half()
             row: dict[str, Any] = {"layer": name, "M": m}
-            row["bf16_ms"] = graph_ms(lambda: F.linear(x, w))
-            row["fp8_ms"] = graph_ms(lambda: fp8.matmul(x))
-            row["awq_ms"] = graph_ms(lambda: awq_matmul(xh, *awq))
+            row["bf16_ms"] = graph_ms(lambda i: F.linear(x, ws[i % len(ws)]))
+            row["fp8_ms"] = graph_ms(lambda i: fp8s[i % len(fp8s)].matmul(x))
+            row["fp8_smm_ms"] = (graph_ms(lambda i: smm(x, fp8s[i % len(fp8s)]))
+                                 if fp80.scaled_mm else float("nan"))
+            row["awq_ms"] = graph_ms(lambda i: awqs[i % len(awqs)].matmul(x))
             for fmt in ("bf16", "fp8", "awq"):
                 row[f"{fmt}_x_floor"] = row[f"{fmt}_ms"] / floors[fmt]
             row["fp8_vs_bf16"] = row["bf16_ms"] / row["fp8_ms"]
             row["awq_vs_bf16"] = row["bf16_ms"] / row["awq_ms"]
             rows_out.append(row)
-        if a.sweep:
-            x = torch.randn(1, k, device="cuda", generator=g, dtype=torch.float16)
-            best: tuple[float, dict[str, int]] | None = None
-            for bn, bk, split, warps in itertools.product((32, 64, 128), (64, 128),
-                                                          (1, 2, 4, 8), (4,)):
-                cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps)
-                ms = graph_ms(lambda: awq_gemm(x, *awq, config=cfg))
+        if not a.sweep:
+            continue
+        for m, int4 in itertools.product(a.sweep_rows, (False, True)):
+            x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+            args = ([(a_.w, a_.scales, a_.zeros) for a_ in awqs] if int4
+                    else [(f.qweight, f.scale) for f in fp8s])
+            best: tuple[float, Any] | None = None
+            for cfg in sweep_configs(m):
+                try:
+                    ms = graph_ms(lambda i: wo_matmul(x, *args[i % len(args)], config=cfg))
+                except Exception as e:  # a tile the compiler refuses (resources)
+                    print(f"skip {cfg}: {type(e).__name__}", file=sys.stderr)
+                    continue
                 if best is None or ms < best[0]:
                     best = (ms, cfg)
-            default = graph_ms(lambda: awq_gemm(x, *awq))
-            sweep_out.append({"layer": name, "default_ms": default, "best_ms": best[0],
-                              "best": str(best[1]), "floor_ms": floors["awq"]})
-    cols = ["layer", "M", "bf16_ms", "fp8_ms", "awq_ms", "bf16_x_floor", "fp8_x_floor",
-            "awq_x_floor", "fp8_vs_bf16", "awq_vs_bf16"]
+            default = graph_ms(lambda i: wo_matmul(x, *args[i % len(args)]))
+            fmt = "awq" if int4 else "fp8"
+            sweep_out.append({"layer": name, "fmt": fmt, "M": m, "default_ms": default,
+                              "default": str(default_config(m, n, k, int4, 128)),
+                              "best_ms": best[0] if best else float("nan"),
+                              "best": str(best[1]) if best else "",
+                              "floor_ms": floors[fmt]})
+            print(sweep_out[-1], flush=True)  # kept if the run is cut short
+    cols = ["layer", "M", "bf16_ms", "fp8_ms", "fp8_smm_ms", "awq_ms", "bf16_x_floor",
+            "fp8_x_floor", "awq_x_floor", "fp8_vs_bf16", "awq_vs_bf16"]
     print_table(rows_out, cols)
     if sweep_out:
         print_table(sweep_out, list(sweep_out[0]))
     write_json(a.out, {"bench": "quant_gemm", "argv": sys.argv, "hardware": hardware(),
-                       "copy_bandwidth_Bps": bw, "rows": rows_out, "sweep_m1": sweep_out})
+                       "copy_bandwidth_Bps": bw, "rows": rows_out, "sweep": sweep_out})
 
 
 if __name__ == "__main__":

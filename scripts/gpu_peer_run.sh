@@ -78,7 +78,7 @@ for stage in ${SRT:-}; do
                    --shape "$shape" --tokenizer-dir .whlgr/tok \
                    --grammar-backend xgrammar llguidance outlines ${SRT_ARGS:-} \
                    --out "$OUT/srt_constrained_${shape}_$TAG.json" ;;
-    quantgemm) run "srt_quant_gemm_$TAG" 400 python3 benchmarks/bench_quant_gemm.py ${QG_ARGS:-} \
+    quantgemm) run "srt_quant_gemm_$TAG" ${QG_TIMEOUT:-400} python3 benchmarks/bench_quant_gemm.py ${QG_ARGS:-} \
                  --out "$OUT/srt_quant_gemm_$TAG.json" ;;
     tests) TAIL=25 run "gpu_tests_$TAG" ${TEST_TIMEOUT:-240} python3 -m pytest -q -rA -p no:cacheprovider \
              ${TESTS:-tests/gpu/test_overlap_gpu.py} ;;

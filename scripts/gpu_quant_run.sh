@@ -2,6 +2,7 @@
 # Quantization on one GPU, one part per call of a sitting (results under $OUT as res_$PART.tgz):
 #   PART=kernels  the GPU tests of the FP8 / AWQ / FP8-KV kernels and the attention kernels,
 #                 bench_quant_gemm.py, batch-1 latency of bf16 and AWQ int4 weights
+#   PART=tune     the GPU tests of the quantized products, bench_quant_gemm.py --sweep
 #   PART=1|2|3    copy that part of the vLLM bundle (scripts/gpu_peer_run.sh), and
 #                 1: srt W1 / B1 / W2 with --quantization fp8
 #                 2: the same with --kv-cache-dtype fp8_e4m3 as well
@@ -16,11 +17,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 peer() { PART=$COPY bash scripts/gpu_peer_run.sh; }  # COPY: the bundle part to copy
-COPY=$PART; [ "$PART" = kernels ] && COPY=
+COPY=$PART; case $PART in kernels|tune) COPY= ;; esac
 W="offline:llama3-8b latency:llama3-8b prefix:llama3-8b"
 case $PART in
   kernels)
-    for t in tests/kernels/test_awq_triton.py tests/kernels/test_fp8_triton.py \
+    for t in tests/kernels/test_quant_gemm_triton.py tests/kernels/test_fp8_triton.py \
              tests/kernels/test_kv_fp8.py tests/unit/test_fp8.py tests/kernels/test_fused_triton.py \
              tests/kernels/test_triton_attention.py; do
       echo "== $t" | tee -a "$OUT/tests.log"
@@ -31,6 +32,14 @@ case $PART in
     for cfg in "bf16:" "awq:--awq-group-size 128"; do
       TAG=${cfg%%:*} SRT_ARGS="${cfg#*:}" SRT="latency:llama3-8b" peer
     done ;;
+  tune)
+    for t in tests/kernels/test_quant_gemm_triton.py tests/unit/test_fp8.py \
+             tests/kernels/test_fp8_triton.py tests/kernels/test_kv_fp8.py; do
+      echo "== $t" | tee -a "$OUT/tests.log"
+      timeout 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider "$t" 2>&1 | tail -25 \
+        | tee -a "$OUT/tests.log"
+    done
+    SRT=quantgemm QG_ARGS="--sweep ${QG_EXTRA:-}" peer ;;
   1) TAG=fp8 SRT_ARGS="--quantization fp8" SRT=$W peer ;;
   2) TAG=fp8kv SRT_ARGS="--quantization fp8 --kv-cache-dtype fp8_e4m3" SRT=$W peer ;;
   3) mkdir -p /tmp/vllm-parts && cp .peer/3/* /tmp/vllm-parts/

@@ -12,9 +12,10 @@ The weight is w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n] (computed in flo
 rounded to the activation dtype). Each rank keeps its shard: column-parallel layers cut the
 output axis (8 columns per int32), row-parallel ones the input axis (whole groups).
 
-Products: on the GPU the Triton kernels of srt/layers/awq_triton.py dequantize tiles on the fly;
-on the CPU the weight is dequantized for each product (slow, exact to the definition above,
-which is what the tests compare against).
+Products: on the CPU the weight is dequantized for each product (slow, exact to the definition
+above, which is what the tests compare against). On the GPU the weight is repacked once loaded
+(AwqKernelWeight: rows contiguous along the input axis) for the weight-only kernels of
+srt/layers/quant_gemm_triton.py.
 """
 
 from __future__ import annotations
@@ -33,17 +34,19 @@ PACK = 8  # 4-bit values per int32
 # [0, 2, 4, 6, 1, 3, 5, 7] puts column ORDER[i] in nibble i).
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_SHIFTS = tuple(4 * AWQ_ORDER.index(c) for c in range(PACK))  # (0, 16, 4, 20, 8, 24, 12, 28)
+IN_ORDER = tuple(range(0, 32, 4))  # value c at bits 4 c: the GPU kernels' order
 
 
-def pack_awq(values: torch.Tensor) -> torch.Tensor:
-    """[R, C] integers in 0..15 -> int32 [R, C / 8] in AutoAWQ's order."""
+def pack_awq(values: torch.Tensor, shifts: tuple[int, ...] = AWQ_SHIFTS) -> torch.Tensor:
+    """[R, C] integers in 0..15 -> int32 [R, C / 8], value c of each eight at bit shifts[c]
+    (by default AutoAWQ's order)."""
     rows, cols = values.shape
     if cols % PACK:
         raise ValueError(f"{cols} columns: AWQ packs eight per int32")
-    v = values.to(torch.int64).view(rows, cols // PACK, PACK)
-    word = torch.zeros(rows, cols // PACK, dtype=torch.int64)
+    v = values.to(torch.int64).reshape(rows, cols // PACK, PACK)
+    word = torch.zeros(rows, cols // PACK, dtype=torch.int64, device=values.device)
     for c in range(PACK):
-        word |= v[:, :, c] << AWQ_SHIFTS[c]
+        word |= v[:, :, c] << shifts[c]
     # two's complement into int32 (bit 31 may be set)
     return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
 
@@ -83,7 +86,9 @@ def quantize_awq(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
 
 @dataclass
 class AwqWeight:
-    """A linear layer's int4 weight: qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N]."""
+    """A linear layer's int4 weight in the checkpoint's layout: qweight [K, N/8], qzeros
+    [K/G, N/8], scales [K/G, N]. Products dequantize the whole weight (the CPU path); on the
+    GPU the model runs on AwqKernelWeight (to_kernel_layout)."""
 
     qweight: torch.Tensor
     qzeros: torch.Tensor
@@ -95,11 +100,50 @@ class AwqWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T in x's dtype (w as dequantize_awq defines it)."""
-        if x.is_cuda:
-            from srt.layers.awq_triton import awq_matmul
-
-            return awq_matmul(x, self.qweight, self.qzeros, self.scales)
         return F.linear(x, dequantize_awq(self.qweight, self.qzeros, self.scales, x.dtype))
+
+
+@dataclass
+class AwqKernelWeight:
+    """The same weight in the GPU kernels' layout (srt/layers/quant_gemm_triton.py): `w` int32
+    [N, K/8] with eight consecutive input channels per word (IN_ORDER), `scales` [N, K/G] and
+    `zeros` uint8 [N, K/G], so that a row of the weight is contiguous, as the kernels read it."""
+
+    w: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+
+    @classmethod
+    def from_checkpoint(cls, a: AwqWeight) -> "AwqKernelWeight":
+        return cls(pack_awq(unpack_awq(a.qweight).t(), IN_ORDER), a.scales.t().contiguous(),
+                   unpack_awq(a.qzeros).t().to(torch.uint8).contiguous())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T in x's dtype: the weight-only kernels for few rows, one dequantization and
+        a GEMM from DEQUANT_MIN_ROWS rows (prefill)."""
+        from srt.layers.quant_gemm_triton import DEQUANT_MIN_ROWS, dequantize_int4, wo_matmul
+
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] >= DEQUANT_MIN_ROWS:
+            out = F.linear(x2, dequantize_int4(self.w, self.scales, self.zeros, x.dtype))
+        else:
+            out = wo_matmul(x2 if x2.stride(1) == 1 else x2.contiguous(), self.w, self.scales,
+                            self.zeros)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def to_kernel_layout(model: nn.Module) -> int:
+    """Give every AWQ layer of the model the GPU kernels' layout (once loaded, on the GPU); the
+    checkpoint-layout tensors go. Returns how many layers."""
+    count = 0
+    for module in model.modules():
+        if isinstance(getattr(module, "quant", None), AwqWeight) and module.qweight.is_cuda:
+            module.quant = AwqKernelWeight.from_checkpoint(module.quant)
+            for name in ("qweight", "qzeros", "scales"):
+                delattr(module, name)
+            count += 1
+    return count
 
 
 def set_awq(module: nn.Module, group: int) -> None:

@@ -2,9 +2,10 @@
 
 The layers are built and loaded in the model dtype, then each rank quantizes its own shard:
 one scale per output row (per channel), `scale = max|w_row| / 448`, `q = round_e4m3(w / scale)`,
-so the weight becomes `q * scale`. Activations are quantized per token at run time on the GPU
-(`scale = max|x_token| / 448`) and the product runs through `torch._scaled_mm` with both scale
-vectors (row-wise scaling: Hopper and newer). On the CPU, and wherever `_scaled_mm` cannot take
+so the weight becomes `q * scale`. On the GPU, products of few rows (decode) read the FP8
+weight in a weight-only Triton kernel (srt/layers/quant_gemm_triton.py); larger ones quantize
+the activations per token (`scale = max|x_token| / 448`) and run through `torch._scaled_mm`
+with both scale vectors (row-wise scaling: Hopper and newer). On the CPU, and wherever `_scaled_mm` cannot take
 the shapes, the weight is dequantized to the activation dtype for each product: slow, exact to
 the dequantized weight, which is what the tests compare against.
 
@@ -24,6 +25,10 @@ from torch import nn
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# Rows up to which GPU products read the FP8 weight in the weight-only kernel
+# (srt/layers/quant_gemm_triton.py) rather than quantizing x for torch._scaled_mm: where the
+# product is bound by the weight's bytes, the activation's quantization only adds a kernel.
+WEIGHT_ONLY_MAX_ROWS = 16
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,14 +68,23 @@ class Fp8Weight:
         self.scale_row = self.scale.view(1, -1)  # _scaled_mm's per-column scale of w.T
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ (qweight * scale).T in x's dtype."""
-        if self.scaled_mm and x.dtype in (torch.bfloat16, torch.float16):
-            from srt.layers.fp8_triton import quantize_per_token_triton
-
+        """x @ (qweight * scale).T in x's dtype. On the GPU: up to WEIGHT_ONLY_MAX_ROWS rows
+        (decode) the weight-only kernel, which reads the FP8 weight and leaves x as it is;
+        more rows quantize x per token for _scaled_mm."""
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             shape = x.shape
-            xq, xs = quantize_per_token_triton(x.reshape(-1, shape[-1]))
-            out = torch._scaled_mm(xq, self.qweight.t(), scale_a=xs, scale_b=self.scale_row,
-                                   out_dtype=x.dtype)
+            x2 = x.reshape(-1, shape[-1])
+            if x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS or not self.scaled_mm:
+                from srt.layers.quant_gemm_triton import wo_matmul
+
+                out = wo_matmul(x2 if x2.stride(1) == 1 else x2.contiguous(), self.qweight,
+                                self.scale)
+            else:
+                from srt.layers.fp8_triton import quantize_per_token_triton
+
+                xq, xs = quantize_per_token_triton(x2)
+                out = torch._scaled_mm(xq, self.qweight.t(), scale_a=xs,
+                                       scale_b=self.scale_row, out_dtype=x.dtype)
             return out.reshape(*shape[:-1], out.shape[-1])
         return torch.nn.functional.linear(x, dequantize(self.qweight, self.scale, x.dtype))
 

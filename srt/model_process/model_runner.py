@@ -220,6 +220,10 @@ class ModelRunner:
             logger.info("quantization fp8: %d layers in FP8 e4m3 (linear layers: per-channel "
                         "weight scales, per-token activation scales; experts: per-channel "
                         "weight scales, activations in the model dtype)", n)
+        if self.device.type == "cuda" and self.quantization and "awq" in self.quantization:
+            from srt.layers.awq import to_kernel_layout
+
+            to_kernel_layout(model)  # rows along the input axis, for the GPU kernels
         return model.eval()
 
     def _pool_tokens(self, bytes_per_token: int, model_dtype_bytes_per_token: int) -> int:

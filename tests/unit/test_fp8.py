@@ -54,8 +54,9 @@ def test_per_token_activation_scales() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_scaled_mm_product_near_the_dequantized_one_on_the_gpu() -> None:
-    """The row-wise scaled FP8 GEMM (Hopper) against the bf16 product with the dequantized
-    weight, at a real size (4096 -> 14336, 1 and 300 tokens)."""
+    """The GPU product against the bf16 product with the dequantized weight, at a real size
+    (4096 -> 14336): 1 token through the weight-only kernel, 300 through the row-wise scaled
+    FP8 GEMM (Hopper)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("row-wise scaled FP8 GEMMs need compute capability 9.0")
     g = torch.Generator(device="cuda").manual_seed(3)

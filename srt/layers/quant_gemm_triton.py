@@ -1,0 +1,216 @@
+"""Weight-only products with quantized weights, for the few rows of decode: x [M, K] in the
+model dtype times a weight stored along K ("[N, K]", as nn.Linear holds it) and dequantized
+inside the kernel, so that the product reads each weight byte once and nothing else.
+
+Two weight formats (`INT4` selects):
+- FP8 e4m3 `w [N, K]` with one scale per output row `s [N]` (srt/layers/fp8.py);
+- int4 `w [N, K / 8]` int32, eight consecutive input channels per word (channel 8 j + i in
+  bits 4 i .. 4 i + 3 of word j), with `s [N, K / G]` scales and `z [N, K / G]` uint8 zero
+  points per group of G input channels: w[n, k] = (q - z) * s (srt/layers/awq.py's
+  AwqKernelWeight repacks AutoAWQ's layout into this one on the GPU).
+
+Two kernels:
+- `_gemv_kernel`, one row of x per program: the weight tile is multiplied on the CUDA cores
+  into a float32 accumulator of the tile's shape, reduced once at the end. int4 values become
+  floats through the bits of 2^23 + q (an OR and a subtraction), not an integer conversion,
+  which runs at an eighth of the floating-point rate.
+- `_dot_kernel`, BLOCK_M rows per program on the tensor cores: the tile is dequantized to x's
+  dtype and multiplied by tl.dot.
+Both cut the output axis into BLOCK_N rows and optionally split K over SPLIT_K programs (float32
+atomic adds), so that enough programs stream the weight at once. Both run in Triton's
+interpreter on the CPU (tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# 2^23: the float32 with bits 0x4B000000; 2^23 + q has q in its low bits
+MAGIC = tl.constexpr(8388608.0)
+# Rows from which a product dequantizes the int4 weight once and runs a GEMM (prefill)
+DEQUANT_MIN_ROWS = 256
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_xm, stride_w, stride_s,
+                 stride_z, stride_om, INT4: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n[:, None].to(tl.int64)
+    x_row = x_ptr + m * stride_xm
+    if INT4:
+        BLOCK_W: tl.constexpr = BLOCK_K // 8
+        offs_w = tl.arange(0, BLOCK_W)
+        nib = tl.arange(0, 8)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_W, 8), dtype=tl.float32)
+        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+            wi = k0 // 8 + offs_w  # word index along K
+            mask = mask_n[:, None] & (wi < K // 8)[None, :]
+            words = tl.load(w_ptr + rows * stride_w + wi[None, :], mask=mask, other=0)
+            g = wi // (GROUP // 8)  # each word lies in one group
+            s = tl.load(s_ptr + rows * stride_s + g[None, :], mask=mask, other=0.0)
+            z = tl.load(z_ptr + rows * stride_z + g[None, :], mask=mask, other=0)
+            ks = k0 + offs_w[:, None] * 8 + nib[None, :]
+            x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+            bits = ((words[:, :, None] >> (nib * 4)[None, None, :]) & 0xF) | 0x4B000000
+            q = bits.to(tl.float32, bitcast=True) - (z.to(tl.float32) + MAGIC)[:, :, None]
+            acc3 += q * s.to(tl.float32)[:, :, None] * x[None, :, :]
+        acc = tl.sum(tl.sum(acc3, 2), 1)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+            ks = k0 + offs_k
+            w = tl.load(w_ptr + rows * stride_w + ks[None, :],
+                        mask=mask_n[:, None] & (ks < K)[None, :], other=0.0)
+            x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+            acc2 += w.to(tl.float32) * x[None, :]
+        acc = tl.sum(acc2, 1) * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    out = out_ptr + m * stride_om + offs_n
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.atomic_add(out, acc, mask=mask_n)
+
+
+@triton.jit
+def _dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s,
+                stride_z, stride_om, INT4: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SPLIT_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    rows = offs_n[:, None].to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        ks = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                    mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+        if INT4:
+            # BLOCK_K divides GROUP: one group per tile
+            BLOCK_W: tl.constexpr = BLOCK_K // 8
+            wi = k0 // 8 + tl.arange(0, BLOCK_W)
+            words = tl.load(w_ptr + rows * stride_w + wi[None, :],
+                            mask=mask_n[:, None] & (wi < K // 8)[None, :], other=0)
+            nib = tl.arange(0, 8) * 4
+            q = tl.reshape((words[:, :, None] >> nib[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+            g = k0 // GROUP
+            s = tl.load(s_ptr + offs_n * stride_s + g, mask=mask_n, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + offs_n * stride_z + g, mask=mask_n, other=0).to(tl.float32)
+            w = ((q.to(tl.float32) - z[:, None]) * s[:, None]).to(x.dtype)
+        else:
+            w = tl.load(w_ptr + rows * stride_w + ks[None, :],
+                        mask=mask_n[:, None] & (ks < K)[None, :], other=0.0).to(x.dtype)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    if not INT4:
+        acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+@triton.jit
+def _dequant_int4_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_w, stride_s, stride_z,
+                         stride_o, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_W: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wi = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    rows = offs_n[:, None].to(tl.int64)
+    mask = (offs_n < N)[:, None] & (wi < K // 8)[None, :]
+    words = tl.load(w_ptr + rows * stride_w + wi[None, :], mask=mask, other=0)
+    g = wi // (GROUP // 8)
+    s = tl.load(s_ptr + rows * stride_s + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + rows * stride_z + g[None, :], mask=mask, other=0).to(tl.float32)
+    nib = tl.arange(0, 8)
+    bits = ((words[:, :, None] >> (nib * 4)[None, None, :]) & 0xF) | 0x4B000000
+    w = (bits.to(tl.float32, bitcast=True) - (z + MAGIC)[:, :, None]) * s[:, :, None]
+    ks = wi[None, :, None] * 8 + nib[None, None, :]
+    tl.store(out_ptr + rows[:, :, None] * stride_o + ks, w.to(out_ptr.dtype.element_ty),
+             mask=mask[:, :, None])
+
+
+def dequantize_int4(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The int4 weight of the module docstring's layout as [N, K] in `dtype`: (q - z) * s in
+    float32, rounded once."""
+    n, k = w.shape[0], w.shape[1] * 8
+    group = k // s.shape[1]
+    out = torch.empty((n, k), dtype=dtype, device=w.device)
+    block_n, block_w = 16, 32
+    _dequant_int4_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 8, block_w))](
+        w, s, z, out, n, k, w.stride(0), s.stride(0), z.stride(0), out.stride(0), GROUP=group,
+        BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4)
+    return out
+
+
+@dataclass(frozen=True)
+class WoConfig:
+    """Tiles of one product: BLOCK_M == 1 selects the CUDA-core kernel (one row of x per
+    program), larger BLOCK_M the tensor-core one."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    SPLIT_K: int = 1
+    num_warps: int = 4
+
+
+def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
+    """The tiles used when none are given (chosen on one H200 at the Llama-3-8B layer sizes:
+    benchmarks/bench_quant_gemm.py --sweep)."""
+    if m <= 2:
+        return WoConfig(1, 8, 256, 1, 4)
+    block_k = min(group, 128) if int4 else 128
+    return WoConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, block_k, 1, 4)
+
+
+def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None,
+              config: WoConfig | None = None) -> torch.Tensor:
+    """x [M, K] (contiguous rows) @ dequant(w).T -> [M, N] in x's dtype. FP8: w [N, K]
+    float8_e4m3fn, s [N]. int4 (z given): w [N, K / 8] int32, s [N, K / G], z [N, K / G]
+    uint8 (the layout of the module docstring)."""
+    int4 = z is not None
+    m, k = x.shape
+    n = w.shape[0]
+    if x.stride(1) != 1 or w.stride(1) != 1 or (w.shape[1] * 8 if int4 else w.shape[1]) != k:
+        raise ValueError(f"x {tuple(x.shape)} against a weight {tuple(w.shape)} {w.dtype}")
+    group = k // s.shape[1] if int4 else 8  # (a constant for FP8: no recompilation per K)
+    cfg = config or default_config(m, n, k, int4, group)
+    if int4 and (k % group or group % 8 or (cfg.BLOCK_M > 1 and group % cfg.BLOCK_K)):
+        raise ValueError(f"int4 groups of {group} with BLOCK_K {cfg.BLOCK_K}")
+    split = cfg.SPLIT_K
+    out = (torch.zeros((m, n), dtype=torch.float32, device=x.device) if split > 1
+           else torch.empty((m, n), dtype=x.dtype, device=x.device))
+    if m == 0:
+        return out.to(x.dtype)
+    zz = z if int4 else s  # unused by the FP8 kernel
+    strides = (x.stride(0), w.stride(0), s.stride(0) if int4 else 1,
+               zz.stride(0) if int4 else 1, out.stride(0))
+    if cfg.BLOCK_M == 1:
+        _gemv_kernel[(triton.cdiv(n, cfg.BLOCK_N), m, split)](
+            x, w, s, zz, out, n, k, *strides, INT4=int4, GROUP=group, BLOCK_N=cfg.BLOCK_N,
+            BLOCK_K=cfg.BLOCK_K, SPLIT_K=split, num_warps=cfg.num_warps)
+    else:
+        _dot_kernel[(triton.cdiv(n, cfg.BLOCK_N), triton.cdiv(m, cfg.BLOCK_M), split)](
+            x, w, s, zz, out, m, n, k, *strides, INT4=int4, GROUP=group, BLOCK_M=cfg.BLOCK_M,
+            BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_K=split,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=3 if x.is_cuda else 1)
+    return out.to(x.dtype) if split > 1 else out

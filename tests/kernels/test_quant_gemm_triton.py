@@ -1,0 +1,122 @@
+"""The weight-only kernels (srt/layers/quant_gemm_triton.py) for FP8 and int4 (AWQ) weights
+against x @ dequantized(w).T in float64: without CUDA in Triton's interpreter on small shapes
+(float32 and float16 activations), on a GPU at the Llama-3-8B layer sizes (`gpu` marker).
+Random weights and inputs; the outputs are allocated by the kernels (torch.empty, or zeros
+for split-K) and every element is compared with the reference and checked for NaN."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+triton = pytest.importorskip("triton")
+
+from srt.layers.awq import AwqKernelWeight, AwqWeight, dequantize_awq, quantize_awq  # noqa: E402
+from srt.layers.fp8 import dequantize, quantize_per_channel  # noqa: E402
+from srt.layers.quant_gemm_triton import WoConfig, dequantize_int4, wo_matmul  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any()
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def _awq(n: int, k: int, group: int, seed: int) -> tuple[AwqWeight, AwqKernelWeight]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    a = AwqWeight(*(t.to(DEV) for t in quantize_awq(w, group)))
+    return a, AwqKernelWeight.from_checkpoint(a)
+
+
+def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g).to(dtype).to(DEV)
+
+
+def test_kernel_layout_dequantizes_to_the_checkpoints_weight() -> None:
+    a, kw = _awq(40, 256, 64, seed=1)
+    assert kw.w.shape == (40, 32) and kw.w.dtype == torch.int32
+    assert kw.scales.shape == (40, 4) and kw.zeros.shape == (40, 4)
+    for dtype in (torch.float32, torch.float16):
+        ref = dequantize_awq(a.qweight, a.qzeros, a.scales, dtype)
+        assert torch.equal(dequantize_int4(kw.w, kw.scales, kw.zeros, dtype), ref)
+
+
+CONFIGS = [
+    # CUDA-core kernel: N not a multiple of BLOCK_N, K not of BLOCK_K, split K
+    (1, WoConfig(1, 16, 64, 1, 4)),
+    (2, WoConfig(1, 8, 128, 3, 4)),
+    # tensor-core kernel: M not a multiple of BLOCK_M, split K
+    (5, WoConfig(16, 32, 32, 1, 4)),
+    (19, WoConfig(16, 16, 64, 2, 4)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("m,cfg", CONFIGS, ids=lambda v: str(v))
+def test_int4(dtype: torch.dtype, m: int, cfg: WoConfig) -> None:
+    a, kw = _awq(72, 320, 64, seed=m)
+    x = _x(m, 320, dtype, seed=m + 1)
+    ref = x.double() @ dequantize_awq(a.qweight, a.qzeros, a.scales, dtype).double().t()
+    out = wo_matmul(x, kw.w, kw.scales, kw.zeros, cfg)
+    assert out.dtype == dtype and out.shape == (m, 72)
+    assert _rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("m,cfg", CONFIGS, ids=lambda v: str(v))
+def test_fp8(dtype: torch.dtype, m: int, cfg: WoConfig) -> None:
+    g = torch.Generator().manual_seed(m)
+    q, s = (t.to(DEV) for t in quantize_per_channel(torch.randn(72, 320, generator=g)))
+    x = _x(m, 320, dtype, seed=m + 2)
+    ref = x.double() @ dequantize(q, s, torch.float64).t()
+    out = wo_matmul(x, q, s, config=cfg)
+    assert out.dtype == dtype and out.shape == (m, 72)
+    assert _rel(out, ref) < TOL[dtype]
+
+
+def test_default_configs_and_paths() -> None:
+    """Default tiles at each row count the decode path takes, and AwqKernelWeight.matmul over
+    its two paths (kernel below DEQUANT_MIN_ROWS, dequantize + GEMM from it) on 3-D input."""
+    a, kw = _awq(48, 256, 128, seed=7)
+    w = dequantize_awq(a.qweight, a.qzeros, a.scales, torch.float32).double()
+    for m in (1, 2, 3, 17, 40, 70):
+        x = _x(m, 256, torch.float32, seed=m)
+        assert _rel(kw.matmul(x), x.double() @ w.t()) < TOL[torch.float32]
+    x = _x(300, 256, torch.float32, seed=9)
+    assert _rel(kw.matmul(x.view(3, 100, 256)).view(300, 48), x.double() @ w.t()) < 1e-5
+
+
+def test_bad_shapes_are_refused() -> None:
+    a, kw = _awq(16, 128, 64, seed=3)
+    with pytest.raises(ValueError):
+        wo_matmul(_x(1, 64, torch.float32, 0), kw.w, kw.scales, kw.zeros)
+    with pytest.raises(ValueError):  # BLOCK_K 128 spans two groups of 64
+        wo_matmul(_x(4, 128, torch.float32, 0), kw.w, kw.scales, kw.zeros,
+                  WoConfig(16, 16, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layer", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+                         ids=str)
+def test_llama3_8b_sizes_gpu(layer: tuple[int, int]) -> None:
+    n, k = layer
+    a, kw = _awq(n, k, 128, seed=n)
+    g = torch.Generator().manual_seed(k)
+    q, s = (t.cuda() for t in quantize_per_channel(torch.randn(n, k, generator=g) * k**-0.5))
+    for dtype in (torch.float16, torch.bfloat16):
+        wa = dequantize_awq(a.qweight, a.qzeros, a.scales, dtype).double()
+        wf = dequantize(q, s, dtype).double()
+        for m in (1, 2, 8, 16, 64, 200):
+            x = _x(m, k, dtype, seed=m)
+            assert _rel(wo_matmul(x, kw.w, kw.scales, kw.zeros), x.double() @ wa.t()) < TOL[dtype]
+            assert _rel(wo_matmul(x, q, s), x.double() @ wf.t()) < TOL[dtype]
