@@ -61,6 +61,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=ROWS)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--formats", nargs="+", default=["fp8", "awq"], choices=["fp8", "awq"],
+                   help="the formats --sweep tries")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -107,7 +109,7 @@ def main() -> None:
             rows_out.append(row)
         if not a.sweep:
             continue
-        for m, int4 in itertools.product(a.sweep_rows, (False, True)):
+        for m, int4 in itertools.product(a.sweep_rows, [f == "awq" for f in a.formats]):
             x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
             args = ([(a_.w, a_.scales, a_.zeros) for a_ in awqs] if int4
                     else [(f.qweight, f.scale) for f in fp8s])

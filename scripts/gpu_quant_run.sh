@@ -33,8 +33,8 @@ case $PART in
       TAG=${cfg%%:*} SRT_ARGS="${cfg#*:}" SRT="latency:llama3-8b" peer
     done ;;
   tune)
-    for t in tests/kernels/test_quant_gemm_triton.py tests/unit/test_fp8.py \
-             tests/kernels/test_fp8_triton.py tests/kernels/test_kv_fp8.py; do
+    for t in ${TUNE_TESTS:-tests/kernels/test_quant_gemm_triton.py tests/unit/test_fp8.py \
+             tests/kernels/test_fp8_triton.py tests/kernels/test_kv_fp8.py}; do
       echo "== $t" | tee -a "$OUT/tests.log"
       timeout 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider "$t" 2>&1 | tail -25 \
         | tee -a "$OUT/tests.log"

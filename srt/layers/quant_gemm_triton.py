@@ -101,21 +101,35 @@ def _dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
                     mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
         if INT4:
-            # BLOCK_K divides GROUP: one group per tile
+            # BLOCK_K divides GROUP: one group per tile. In half precision the values enter
+            # the tensor cores as BIAS + q, straight from the bits (fp16 0x6400 | q is 1024 + q,
+            # bf16 0x4300 | q is 128 + q: exact), and the zero point and BIAS come off the
+            # product: sum_k x (q - z) s = s (sum_k x (BIAS + q) - (BIAS + z) sum_k x).
             BLOCK_W: tl.constexpr = BLOCK_K // 8
             wi = k0 // 8 + tl.arange(0, BLOCK_W)
             words = tl.load(w_ptr + rows * stride_w + wi[None, :],
                             mask=mask_n[:, None] & (wi < K // 8)[None, :], other=0)
             nib = tl.arange(0, 8) * 4
             q = tl.reshape((words[:, :, None] >> nib[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+            if x.dtype == tl.float16:
+                h = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                bias = 1024.0
+            elif x.dtype == tl.bfloat16:
+                h = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                bias = 128.0
+            else:
+                h = q.to(x.dtype)
+                bias = 0.0
             g = k0 // GROUP
             s = tl.load(s_ptr + offs_n * stride_s + g, mask=mask_n, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + offs_n * stride_z + g, mask=mask_n, other=0).to(tl.float32)
-            w = ((q.to(tl.float32) - z[:, None]) * s[:, None]).to(x.dtype)
+            part = tl.dot(x, tl.trans(h), input_precision=PRECISION)
+            xsum = tl.sum(x.to(tl.float32), 1)
+            acc += (part - xsum[:, None] * (z + bias)[None, :]) * s[None, :]
         else:
             w = tl.load(w_ptr + rows * stride_w + ks[None, :],
                         mask=mask_n[:, None] & (ks < K)[None, :], other=0.0).to(x.dtype)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     if not INT4:
         acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -175,10 +189,15 @@ class WoConfig:
 def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
     """The tiles used when none are given (chosen on one H200 at the Llama-3-8B layer sizes:
     benchmarks/bench_quant_gemm.py --sweep)."""
-    if m <= 2:
-        return WoConfig(1, 8, 256, 1, 4)
-    block_k = min(group, 128) if int4 else 128
-    return WoConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, block_k, 1, 4)
+    if int4:
+        return WoConfig(16 if m <= 16 else 64, 32, min(group, 64), 4 if m <= 16 else 2, 4)
+    if m == 1:
+        if k >= 8192:  # few long rows: two programs per row block
+            return WoConfig(1, 16, 512, 2, 4)
+        return WoConfig(1, 16, 256, 1, 4) if n >= 16384 else WoConfig(1, 4, 512, 1, 2)
+    if m <= 16:
+        return WoConfig(16, 64 if n >= 16384 else 32, 128, 4, 4)
+    return WoConfig(64, 64, 128, 4, 4)
 
 
 def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None,
