@@ -4,7 +4,7 @@
 #                 bench_quant_gemm.py, batch-1 latency of bf16 and AWQ int4 weights
 #   PART=tune     the GPU tests of the quantized products, bench_quant_gemm.py --sweep
 #   PART=1|2|3    copy that part of the vLLM bundle (scripts/gpu_peer_run.sh), and
-#                 1: srt W1 / B1 / W2 with --quantization fp8
+#                 1: srt W1 / B1 / W2 with --quantization fp8; B1 of bf16 and AWQ int4
 #                 2: the same with --kv-cache-dtype fp8_e4m3 as well
 #                 3: vLLM 0.26.0 W1 / B1 / W2 with --quantization fp8, then with
 #                    --kv-cache-dtype fp8 as well
@@ -40,7 +40,10 @@ case $PART in
         | tee -a "$OUT/tests.log"
     done
     SRT=quantgemm QG_ARGS="--sweep ${QG_EXTRA:-}" peer ;;
-  1) TAG=fp8 SRT_ARGS="--quantization fp8" SRT=$W peer ;;
+  1) TAG=fp8 SRT_ARGS="--quantization fp8" SRT=$W peer
+     for cfg in "bf16:" "awq:--awq-group-size 128"; do
+       TAG=${cfg%%:*} SRT_ARGS="${cfg#*:}" SRT="latency:llama3-8b" COPY= peer
+     done ;;
   2) TAG=fp8kv SRT_ARGS="--quantization fp8 --kv-cache-dtype fp8_e4m3" SRT=$W peer ;;
   3) mkdir -p /tmp/vllm-parts && cp .peer/3/* /tmp/vllm-parts/
      source /tmp/vllm-parts/install_vllm.sh || exit 1

@@ -190,7 +190,11 @@ def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
     """The tiles used when none are given (chosen on one H200 at the Llama-3-8B layer sizes:
     benchmarks/bench_quant_gemm.py --sweep)."""
     if int4:
-        return WoConfig(16 if m <= 16 else 64, 32, min(group, 64), 4 if m <= 16 else 2, 4)
+        if m == 1:
+            return WoConfig(1, 8, 256, 1, 2) if n >= 16384 else WoConfig(1, 4, 512, 1, 2)
+        if m <= 16:
+            return WoConfig(16, 128, min(group, 128), 4, 4)
+        return WoConfig(64, 128, min(group, 128), 1, 4)
     if m == 1:
         if k >= 8192:  # few long rows: two programs per row block
             return WoConfig(1, 16, 512, 2, 4)
