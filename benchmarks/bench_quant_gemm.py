@@ -44,15 +44,19 @@ def graph_ms(fn: Callable[[int], Any]) -> float:
     return ms / REPS
 
 
-def sweep_configs(m: int) -> list[Any]:
+def sweep_configs(m: int, gemv_only: bool = False) -> list[Any]:
     """The weight-only kernel's tiles tried at m rows."""
     from srt.layers.quant_gemm_triton import WoConfig
 
     gemv = [WoConfig(1, bn, bk, 1, w) for bn, bk, w in itertools.product(
         (4, 8, 16, 32), (256, 512), (2, 4))]
     gemv += [WoConfig(1, bn, 512, 2, 4) for bn in (16, 32)]
+    gemv += [WoConfig(1, bn, bk, 1, w, REDUCE=1) for bn, bk, w in itertools.product(
+        (4, 8, 16, 32), (256, 512, 1024), (2, 4, 8))]
     dot = [WoConfig(bm, bn, bk, sp, 4) for bm, bn, bk, sp in itertools.product(
         (16,) if m <= 16 else (16, 64), (32, 64, 128), (64, 128), (1, 2, 4))]
+    if m == 1 and gemv_only:
+        return gemv
     return (gemv if m <= 4 else []) + dot
 
 
@@ -63,6 +67,8 @@ def main() -> None:
     p.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--formats", nargs="+", default=["fp8", "awq"], choices=["fp8", "awq"],
                    help="the formats --sweep tries")
+    p.add_argument("--gemv-only", action="store_true",
+                   help="--sweep: only the CUDA-core kernel's tiles at M = 1")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -114,7 +120,7 @@ def main() -> None:
             args = ([(a_.w, a_.scales, a_.zeros) for a_ in awqs] if int4
                     else [(f.qweight, f.scale) for f in fp8s])
             best: tuple[float, Any] | None = None
-            for cfg in sweep_configs(m):
+            for cfg in sweep_configs(m, a.gemv_only):
                 try:
                     ms = graph_ms(lambda i: wo_matmul(x, *args[i % len(args)], config=cfg))
                 except Exception as e:  # a tile the compiler refuses (resources)

@@ -11,7 +11,8 @@ Two weight formats (`INT4` selects):
 
 Two kernels:
 - `_gemv_kernel`, one row of x per program: the weight tile is multiplied on the CUDA cores
-  into a float32 accumulator of the tile's shape, reduced once at the end. int4 values become
+  into a float32 accumulator of the tile's shape, reduced once at the end (or, REDUCE, into
+  one value per output row every tile: fewer registers, more programs per SM). int4 values become
   floats through the bits of 2^23 + q (an OR and a subtraction), not an integer conversion,
   which runs at an eighth of the floating-point rate.
 - `_dot_kernel`, BLOCK_M rows per program on the tensor cores: the tile is dequantized to x's
@@ -38,7 +39,8 @@ DEQUANT_MIN_ROWS = 256
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_xm, stride_w, stride_s,
                  stride_z, stride_om, INT4: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 REDUCE: tl.constexpr):
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     pid_k = tl.program_id(2)
@@ -51,6 +53,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_xm, stride_w,
         offs_w = tl.arange(0, BLOCK_W)
         nib = tl.arange(0, 8)
         acc3 = tl.zeros((BLOCK_N, BLOCK_W, 8), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
             wi = k0 // 8 + offs_w  # word index along K
             mask = mask_n[:, None] & (wi < K // 8)[None, :]
@@ -61,19 +64,33 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_xm, stride_w,
             ks = k0 + offs_w[:, None] * 8 + nib[None, :]
             x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
             bits = ((words[:, :, None] >> (nib * 4)[None, None, :]) & 0xF) | 0x4B000000
-            q = bits.to(tl.float32, bitcast=True) - (z.to(tl.float32) + MAGIC)[:, :, None]
-            acc3 += q * s.to(tl.float32)[:, :, None] * x[None, :, :]
-        acc = tl.sum(tl.sum(acc3, 2), 1)
+            if REDUCE:
+                # per word: s (sum_i q_i x_i - z sum_i x_i); reduced every tile, so that no
+                # tile-sized accumulator holds registers
+                qx = tl.sum((bits.to(tl.float32, bitcast=True) - MAGIC) * x[None, :, :], 2)
+                xs = tl.sum(x, 1)
+                acc += tl.sum((qx - z.to(tl.float32) * xs[None, :]) * s.to(tl.float32), 1)
+            else:
+                q = bits.to(tl.float32, bitcast=True) - (z.to(tl.float32) + MAGIC)[:, :, None]
+                acc3 += q * s.to(tl.float32)[:, :, None] * x[None, :, :]
+        if not REDUCE:
+            acc = tl.sum(tl.sum(acc3, 2), 1)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
             ks = k0 + offs_k
             w = tl.load(w_ptr + rows * stride_w + ks[None, :],
                         mask=mask_n[:, None] & (ks < K)[None, :], other=0.0)
             x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-            acc2 += w.to(tl.float32) * x[None, :]
-        acc = tl.sum(acc2, 1) * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            if REDUCE:
+                acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+            else:
+                acc2 += w.to(tl.float32) * x[None, :]
+        if not REDUCE:
+            acc = tl.sum(acc2, 1)
+        acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     out = out_ptr + m * stride_om + offs_n
     if SPLIT_K == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
@@ -184,6 +201,7 @@ class WoConfig:
     BLOCK_K: int
     SPLIT_K: int = 1
     num_warps: int = 4
+    REDUCE: int = 0  # CUDA-core kernel: reduce every tile (1) or once at the end (0)
 
 
 def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
@@ -229,7 +247,7 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
     if cfg.BLOCK_M == 1:
         _gemv_kernel[(triton.cdiv(n, cfg.BLOCK_N), m, split)](
             x, w, s, zz, out, n, k, *strides, INT4=int4, GROUP=group, BLOCK_N=cfg.BLOCK_N,
-            BLOCK_K=cfg.BLOCK_K, SPLIT_K=split, num_warps=cfg.num_warps)
+            BLOCK_K=cfg.BLOCK_K, SPLIT_K=split, REDUCE=cfg.REDUCE, num_warps=cfg.num_warps)
     else:
         _dot_kernel[(triton.cdiv(n, cfg.BLOCK_N), triton.cdiv(m, cfg.BLOCK_M), split)](
             x, w, s, zz, out, m, n, k, *strides, INT4=int4, GROUP=group, BLOCK_M=cfg.BLOCK_M,

@@ -54,6 +54,8 @@ CONFIGS = [
     # CUDA-core kernel: N not a multiple of BLOCK_N, K not of BLOCK_K, split K
     (1, WoConfig(1, 16, 64, 1, 4)),
     (2, WoConfig(1, 8, 128, 3, 4)),
+    (1, WoConfig(1, 16, 64, 1, 4, REDUCE=1)),
+    (2, WoConfig(1, 8, 128, 2, 4, REDUCE=1)),
     # tensor-core kernel: M not a multiple of BLOCK_M, split K
     (5, WoConfig(16, 32, 32, 1, 4)),
     (19, WoConfig(16, 16, 64, 2, 4)),
