@@ -214,9 +214,9 @@ def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
             return WoConfig(16, 128, min(group, 128), 4, 4)
         return WoConfig(64, 128, min(group, 128), 1, 4)
     if m == 1:
-        if k >= 8192:  # few long rows: two programs per row block
-            return WoConfig(1, 16, 512, 2, 4)
-        return WoConfig(1, 16, 256, 1, 4) if n >= 16384 else WoConfig(1, 4, 512, 1, 2)
+        if n >= 16384:
+            return WoConfig(1, 16, 256, 1, 2, REDUCE=1)
+        return WoConfig(1, 4, 1024, 1, 2 if n > k else 4, REDUCE=1)
     if m <= 16:
         return WoConfig(16, 64 if n >= 16384 else 32, 128, 4, 4)
     return WoConfig(64, 64, 128, 4, 4)
