@@ -118,11 +118,23 @@ class AwqKernelWeight:
         return cls(pack_awq(unpack_awq(a.qweight).t(), IN_ORDER), a.scales.t().contiguous(),
                    unpack_awq(a.qzeros).t().to(torch.uint8).contiguous())
 
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K] in `dtype` (torch; dequantize_awq's values)."""
+        n, k = self.w.shape[0], self.w.shape[1] * PACK
+        shifts = torch.tensor(IN_ORDER, dtype=torch.int32, device=self.w.device)
+        q = ((self.w.unsqueeze(-1) >> shifts) & 0xF).reshape(n, k).float()
+        group = k // self.scales.shape[1]
+        z = self.zeros.float().repeat_interleave(group, 1)
+        return ((q - z) * self.scales.float().repeat_interleave(group, 1)).to(dtype)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ w.T in x's dtype: the weight-only kernels for few rows, one dequantization and
-        a GEMM from DEQUANT_MIN_ROWS rows (prefill)."""
+        """x @ w.T in x's dtype: on the GPU the weight-only kernels for few rows, one
+        dequantization and a GEMM from DEQUANT_MIN_ROWS rows (prefill); on the CPU the
+        dequantized weight."""
         from srt.layers.quant_gemm_triton import DEQUANT_MIN_ROWS, dequantize_int4, wo_matmul
 
+        if not x.is_cuda:
+            return F.linear(x, self.dequantize(x.dtype))
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.shape[0] >= DEQUANT_MIN_ROWS:
@@ -134,14 +146,20 @@ class AwqKernelWeight:
 
 
 def to_kernel_layout(model: nn.Module) -> int:
-    """Give every AWQ layer of the model the GPU kernels' layout (once loaded, on the GPU); the
-    checkpoint-layout tensors go. Returns how many layers."""
+    """Give every AWQ layer of the model the GPU kernels' layout (called once loaded, on the
+    GPU): the checkpoint-layout parameters go, the new tensors become the parameters
+    `awq_w`, `awq_scales`, `awq_zeros` (so that the model's parameters still count them).
+    Returns how many layers."""
     count = 0
     for module in model.modules():
-        if isinstance(getattr(module, "quant", None), AwqWeight) and module.qweight.is_cuda:
-            module.quant = AwqKernelWeight.from_checkpoint(module.quant)
+        if isinstance(getattr(module, "quant", None), AwqWeight):
+            kw = AwqKernelWeight.from_checkpoint(module.quant)
             for name in ("qweight", "qzeros", "scales"):
                 delattr(module, name)
+            module.awq_w = nn.Parameter(kw.w, requires_grad=False)
+            module.awq_scales = nn.Parameter(kw.scales, requires_grad=False)
+            module.awq_zeros = nn.Parameter(kw.zeros, requires_grad=False)
+            module.quant = kw
             count += 1
     return count
 

@@ -3,11 +3,12 @@
 The layers are built and loaded in the model dtype, then each rank quantizes its own shard:
 one scale per output row (per channel), `scale = max|w_row| / 448`, `q = round_e4m3(w / scale)`,
 so the weight becomes `q * scale`. On the GPU, products of few rows (decode) read the FP8
-weight in a weight-only Triton kernel (srt/layers/quant_gemm_triton.py); larger ones quantize
-the activations per token (`scale = max|x_token| / 448`) and run through `torch._scaled_mm`
-with both scale vectors (row-wise scaling: Hopper and newer). On the CPU, and wherever `_scaled_mm` cannot take
-the shapes, the weight is dequantized to the activation dtype for each product: slow, exact to
-the dequantized weight, which is what the tests compare against.
+weight in a weight-only Triton kernel (srt/layers/quant_gemm_triton.py; compute capability
+8.9 and newer); larger ones quantize the activations per token (`scale = max|x_token| / 448`)
+and run through `torch._scaled_mm` with both scale vectors (row-wise scaling: Hopper and
+newer). Elsewhere (the CPU, older GPUs, shapes `_scaled_mm` cannot take) the weight is
+dequantized to the activation dtype for each product: slow, exact to the dequantized weight,
+which is what the tests compare against.
 
 The experts of a mixture-of-experts layer are quantized the same way, expert by expert (one
 scale per output row), weight-only: srt/layers/moe.py reads them in FP8 and applies the scales
@@ -56,36 +57,44 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @dataclass
 class Fp8Weight:
     """A linear layer's weight in FP8: `qweight` [out, in] and `scale` [out] (float32).
-    `scaled_mm`: whether products of half-precision activations go through torch._scaled_mm
-    (decided once, from the weight's device and shape: see scaled_mm_ok)."""
+    Decided once, from the weight's device and shape: `scaled_mm`, whether products of
+    half-precision activations can go through torch._scaled_mm (scaled_mm_ok); `weight_only`,
+    whether they can go through the weight-only Triton kernel (CUDA, capability 8.9+)."""
 
     qweight: torch.Tensor
     scale: torch.Tensor
     scaled_mm: bool = field(init=False)
+    weight_only: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.scaled_mm = scaled_mm_ok(self.qweight)
+        # Triton reads e4m3 from compute capability 8.9 (Ada, Hopper) on
+        self.weight_only = (self.qweight.is_cuda
+                            and torch.cuda.get_device_capability(self.qweight.device) >= (8, 9))
         self.scale_row = self.scale.view(1, -1)  # _scaled_mm's per-column scale of w.T
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ (qweight * scale).T in x's dtype. On the GPU: up to WEIGHT_ONLY_MAX_ROWS rows
-        (decode) the weight-only kernel, which reads the FP8 weight and leaves x as it is;
-        more rows quantize x per token for _scaled_mm."""
+        """x @ (qweight * scale).T in x's dtype. Half-precision x on the GPU: up to
+        WEIGHT_ONLY_MAX_ROWS rows (decode) the weight-only kernel, which reads the FP8 weight
+        and leaves x as it is; more rows quantize x per token for _scaled_mm. Otherwise the
+        weight is dequantized for the product."""
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             shape = x.shape
             x2 = x.reshape(-1, shape[-1])
-            if x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS or not self.scaled_mm:
+            out = None
+            if self.weight_only and x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
                 from srt.layers.quant_gemm_triton import wo_matmul
 
                 out = wo_matmul(x2 if x2.stride(1) == 1 else x2.contiguous(), self.qweight,
                                 self.scale)
-            else:
+            elif self.scaled_mm:
                 from srt.layers.fp8_triton import quantize_per_token_triton
 
                 xq, xs = quantize_per_token_triton(x2)
                 out = torch._scaled_mm(xq, self.qweight.t(), scale_a=xs,
                                        scale_b=self.scale_row, out_dtype=x.dtype)
-            return out.reshape(*shape[:-1], out.shape[-1])
+            if out is not None:
+                return out.reshape(*shape[:-1], out.shape[-1])
         return torch.nn.functional.linear(x, dequantize(self.qweight, self.scale, x.dtype))
 
 

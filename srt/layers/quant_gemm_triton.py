@@ -118,31 +118,28 @@ def _dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
                     mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
         if INT4:
-            # BLOCK_K divides GROUP: one group per tile. In half precision the values enter
-            # the tensor cores as BIAS + q, straight from the bits (fp16 0x6400 | q is 1024 + q,
-            # bf16 0x4300 | q is 128 + q: exact), and the zero point and BIAS come off the
-            # product: sum_k x (q - z) s = s (sum_k x (BIAS + q) - (BIAS + z) sum_k x).
+            # BLOCK_K divides GROUP: one group per tile. In half precision the values come
+            # from the bits (fp16 0x6400 | q is 1024 + q, bf16 0x4300 | q is 128 + q) and
+            # q - z is taken in that precision (exact: -15..15), so that the tensor cores
+            # multiply x by q - z and only the group's scale is applied after.
             BLOCK_W: tl.constexpr = BLOCK_K // 8
             wi = k0 // 8 + tl.arange(0, BLOCK_W)
             words = tl.load(w_ptr + rows * stride_w + wi[None, :],
                             mask=mask_n[:, None] & (wi < K // 8)[None, :], other=0)
             nib = tl.arange(0, 8) * 4
             q = tl.reshape((words[:, :, None] >> nib[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
-            if x.dtype == tl.float16:
-                h = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-                bias = 1024.0
-            elif x.dtype == tl.bfloat16:
-                h = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                bias = 128.0
-            else:
-                h = q.to(x.dtype)
-                bias = 0.0
             g = k0 // GROUP
             s = tl.load(s_ptr + offs_n * stride_s + g, mask=mask_n, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + offs_n * stride_z + g, mask=mask_n, other=0).to(tl.float32)
-            part = tl.dot(x, tl.trans(h), input_precision=PRECISION)
-            xsum = tl.sum(x.to(tl.float32), 1)
-            acc += (part - xsum[:, None] * (z + bias)[None, :]) * s[None, :]
+            if x.dtype == tl.float16:
+                h = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                h = h - (z + 1024.0).to(tl.float16)[:, None]
+            elif x.dtype == tl.bfloat16:
+                h = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                h = h - (z + 128.0).to(tl.bfloat16)[:, None]
+            else:
+                h = q.to(x.dtype) - z[:, None]
+            acc += tl.dot(x, tl.trans(h), input_precision=PRECISION) * s[None, :]
         else:
             w = tl.load(w_ptr + rows * stride_w + ks[None, :],
                         mask=mask_n[:, None] & (ks < K)[None, :], other=0.0).to(x.dtype)
@@ -233,8 +230,15 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
     if x.stride(1) != 1 or w.stride(1) != 1 or (w.shape[1] * 8 if int4 else w.shape[1]) != k:
         raise ValueError(f"x {tuple(x.shape)} against a weight {tuple(w.shape)} {w.dtype}")
     group = k // s.shape[1] if int4 else 8  # (a constant for FP8: no recompilation per K)
+    if (s.shape[0] != n or s.stride(-1) != 1
+            or (int4 and (s.dim() != 2 or z.shape != s.shape or z.stride(1) != 1
+                          or s.shape[1] * group != k))
+            or (not int4 and s.numel() != n)):
+        raise ValueError(f"scales {tuple(s.shape)}"
+                         + (f" / zeros {tuple(z.shape)}" if int4 else "")
+                         + f" against a weight of {n} x {k}")
     cfg = config or default_config(m, n, k, int4, group)
-    if int4 and (k % group or group % 8 or (cfg.BLOCK_M > 1 and group % cfg.BLOCK_K)):
+    if int4 and (group % 8 or (cfg.BLOCK_M > 1 and group % cfg.BLOCK_K)):
         raise ValueError(f"int4 groups of {group} with BLOCK_K {cfg.BLOCK_K}")
     split = cfg.SPLIT_K
     out = (torch.zeros((m, n), dtype=torch.float32, device=x.device) if split > 1

@@ -218,8 +218,9 @@ class ModelRunner:
             n = quantize_model_fp8(model)
             self.quantization = "fp8"
             logger.info("quantization fp8: %d layers in FP8 e4m3 (linear layers: per-channel "
-                        "weight scales, per-token activation scales; experts: per-channel "
-                        "weight scales, activations in the model dtype)", n)
+                        "weight scales; on the GPU weight-only up to 16 rows, per-token "
+                        "activation scales above; experts: per-channel weight scales, "
+                        "activations in the model dtype)", n)
         if self.device.type == "cuda" and self.quantization and "awq" in self.quantization:
             from srt.layers.awq import to_kernel_layout
 

@@ -51,7 +51,7 @@ def test_kernel_layout_dequantizes_to_the_checkpoints_weight() -> None:
 
 
 CONFIGS = [
-    # CUDA-core kernel: N not a multiple of BLOCK_N, K not of BLOCK_K, split K
+    # CUDA-core kernel: N not a multiple of BLOCK_N, K (FP8) not of BLOCK_K, split K
     (1, WoConfig(1, 16, 64, 1, 4)),
     (2, WoConfig(1, 8, 128, 3, 4)),
     (1, WoConfig(1, 16, 64, 1, 4, REDUCE=1)),
@@ -82,8 +82,9 @@ def test_int4(dtype: torch.dtype, m: int, cfg: WoConfig) -> None:
 @pytest.mark.parametrize("m,cfg", CONFIGS, ids=lambda v: str(v))
 def test_fp8(dtype: torch.dtype, m: int, cfg: WoConfig) -> None:
     g = torch.Generator().manual_seed(m)
-    q, s = (t.to(DEV) for t in quantize_per_channel(torch.randn(72, 320, generator=g)))
-    x = _x(m, 320, dtype, seed=m + 2)
+    # K = 352: not a multiple of any BLOCK_K here
+    q, s = (t.to(DEV) for t in quantize_per_channel(torch.randn(72, 352, generator=g)))
+    x = _x(m, 352, dtype, seed=m + 2)
     ref = x.double() @ dequantize(q, s, torch.float64).t()
     out = wo_matmul(x, q, s, config=cfg)
     assert out.dtype == dtype and out.shape == (m, 72)
@@ -106,6 +107,11 @@ def test_bad_shapes_are_refused() -> None:
     a, kw = _awq(16, 128, 64, seed=3)
     with pytest.raises(ValueError):
         wo_matmul(_x(1, 64, torch.float32, 0), kw.w, kw.scales, kw.zeros)
+    with pytest.raises(ValueError):  # zeros of another shape than the scales
+        wo_matmul(_x(1, 128, torch.float32, 0), kw.w, kw.scales, kw.zeros[:, :1])
+    with pytest.raises(ValueError):  # FP8: one scale per output row
+        q, s = quantize_per_channel(torch.randn(16, 128))
+        wo_matmul(_x(1, 128, torch.float32, 0), q.to(DEV), s[:8].to(DEV))
     with pytest.raises(ValueError):  # BLOCK_K 128 spans two groups of 64
         wo_matmul(_x(4, 128, torch.float32, 0), kw.w, kw.scales, kw.zeros,
                   WoConfig(16, 16, 128))

@@ -57,3 +57,26 @@ def test_cpu_product_uses_the_dequantized_weight() -> None:
     assert out.shape == (3, 5, 32)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
     assert awq.group == 32
+
+
+def test_kernel_layout_keeps_the_layer_and_its_parameters() -> None:
+    """to_kernel_layout (run on the GPU once loaded) repacks a layer's AWQ weight: the layer
+    computes the same product (here through the layout's torch dequantization, on the CPU)
+    and its parameters are the repacked tensors, so the model's weight bytes still count them."""
+    from srt.layers.awq import AwqKernelWeight, set_awq, to_kernel_layout
+    from srt.layers.linear import ColumnParallelLinear
+
+    g = torch.Generator().manual_seed(3)
+    layer = ColumnParallelLinear(128, 48)
+    set_awq(layer, 32)
+    for p, t in zip((layer.qweight, layer.qzeros, layer.scales),
+                    quantize_awq(torch.randn(48, 128, generator=g), 32)):
+        p.data.copy_(t)
+    x = torch.randn(5, 128, generator=g)
+    before = layer(x)
+    assert to_kernel_layout(layer) == 1
+    assert isinstance(layer.quant, AwqKernelWeight)
+    assert {n for n, _ in layer.named_parameters()} == {"awq_w", "awq_scales", "awq_zeros"}
+    assert sum(p.numel() * p.element_size() for p in layer.parameters()) == (
+        48 * 128 // 2 + 48 * 4 * 2 + 48 * 4)
+    torch.testing.assert_close(layer(x), before, rtol=0, atol=1e-5)
