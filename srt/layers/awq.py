@@ -51,10 +51,10 @@ def pack_awq(values: torch.Tensor, shifts: tuple[int, ...] = AWQ_SHIFTS) -> torc
     return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
 
 
-def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C / 8] -> int32 [R, C] values in 0..15."""
-    shifts = torch.tensor(AWQ_SHIFTS, dtype=torch.int32, device=packed.device)
-    return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1)
+def unpack_awq(packed: torch.Tensor, shifts: tuple[int, ...] = AWQ_SHIFTS) -> torch.Tensor:
+    """int32 [R, C / 8] -> int32 [R, C] values in 0..15 (pack_awq's inverse, same shifts)."""
+    sh = torch.tensor(shifts, dtype=torch.int32, device=packed.device)
+    return ((packed.unsqueeze(-1) >> sh) & 0xF).reshape(packed.shape[0], -1)
 
 
 def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -120,10 +120,8 @@ class AwqKernelWeight:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [N, K] in `dtype` (torch; dequantize_awq's values)."""
-        n, k = self.w.shape[0], self.w.shape[1] * PACK
-        shifts = torch.tensor(IN_ORDER, dtype=torch.int32, device=self.w.device)
-        q = ((self.w.unsqueeze(-1) >> shifts) & 0xF).reshape(n, k).float()
-        group = k // self.scales.shape[1]
+        q = unpack_awq(self.w, IN_ORDER).float()
+        group = q.shape[1] // self.scales.shape[1]
         z = self.zeros.float().repeat_interleave(group, 1)
         return ((q - z) * self.scales.float().repeat_interleave(group, 1)).to(dtype)
 

@@ -221,7 +221,7 @@ class ModelRunner:
                         "weight scales; on the GPU weight-only up to 16 rows, per-token "
                         "activation scales above; experts: per-channel weight scales, "
                         "activations in the model dtype)", n)
-        if self.device.type == "cuda" and self.quantization and "awq" in self.quantization:
+        if self.device.type == "cuda":
             from srt.layers.awq import to_kernel_layout
 
             to_kernel_layout(model)  # rows along the input axis, for the GPU kernels
