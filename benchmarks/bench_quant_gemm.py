@@ -44,15 +44,23 @@ def graph_ms(fn: Callable[[int], Any]) -> float:
     return ms / REPS
 
 
-def sweep_configs(m: int, gemv_only: bool = False) -> list[Any]:
-    """The weight-only kernel's tiles tried at m rows."""
+def sweep_configs(m: int, int4: bool, gemv_only: bool = False) -> list[Any]:
+    """The weight-only kernel's tiles tried at m rows (int4: BLOCK_K divides the group, 128)."""
     from srt.layers.quant_gemm_triton import WoConfig
 
-    gemv = [WoConfig(1, bn, bk, 1, w) for bn, bk, w in itertools.product(
-        (4, 8, 16, 32), (256, 512), (2, 4))]
-    gemv += [WoConfig(1, bn, 512, 2, 4) for bn in (16, 32)]
-    gemv += [WoConfig(1, bn, bk, 1, w, REDUCE=1) for bn, bk, w in itertools.product(
-        (4, 8, 16, 32), (256, 512, 1024), (2, 4, 8))]
+    if int4:
+        gemv = [WoConfig(1, bn, bk, 1, w) for bn, bk, w in itertools.product(
+            (32, 64, 128, 256), (64, 128), (1, 2, 4))]
+        gemv += [WoConfig(1, bn, 128, sp, w) for bn, sp, w in itertools.product(
+            (64, 128, 256), (2, 4), (2, 4))]
+        gemv += [WoConfig(1, bn, 128, 1, w, REDUCE=1) for bn, w in itertools.product(
+            (64, 128, 256), (2, 4))]
+    else:
+        gemv = [WoConfig(1, bn, bk, 1, w) for bn, bk, w in itertools.product(
+            (4, 8, 16, 32), (256, 512), (2, 4))]
+        gemv += [WoConfig(1, bn, 512, 2, 4) for bn in (16, 32)]
+        gemv += [WoConfig(1, bn, bk, 1, w, REDUCE=1) for bn, bk, w in itertools.product(
+            (4, 8, 16, 32), (256, 512, 1024), (2, 4, 8))]
     dot = [WoConfig(bm, bn, bk, sp, 4) for bm, bn, bk, sp in itertools.product(
         (16,) if m <= 16 else (16, 64), (32, 64, 128), (64, 128), (1, 2, 4))]
     if m == 1 and gemv_only:
@@ -119,21 +127,23 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
             args = ([(a_.w, a_.scales, a_.zeros) for a_ in awqs] if int4
                     else [(f.qweight, f.scale) for f in fp8s])
-            best: tuple[float, Any] | None = None
-            for cfg in sweep_configs(m, a.gemv_only):
+            timed: list[tuple[float, Any]] = []
+            for cfg in sweep_configs(m, int4, a.gemv_only):
                 try:
                     ms = graph_ms(lambda i: wo_matmul(x, *args[i % len(args)], config=cfg))
                 except Exception as e:  # a tile the compiler refuses (resources)
                     print(f"skip {cfg}: {type(e).__name__}", file=sys.stderr)
                     continue
-                if best is None or ms < best[0]:
-                    best = (ms, cfg)
+                timed.append((ms, cfg))
+            timed.sort(key=lambda t: t[0])
+            best = timed[0] if timed else None
             default = graph_ms(lambda i: wo_matmul(x, *args[i % len(args)]))
             fmt = "awq" if int4 else "fp8"
             sweep_out.append({"layer": name, "fmt": fmt, "M": m, "default_ms": default,
                               "default": str(default_config(m, n, k, int4, 128)),
                               "best_ms": best[0] if best else float("nan"),
                               "best": str(best[1]) if best else "",
+                              "next": "; ".join(f"{c} {ms:.4f}" for ms, c in timed[1:4]),
                               "floor_ms": floors[fmt]})
             print(sweep_out[-1], flush=True)  # kept if the run is cut short
     cols = ["layer", "M", "bf16_ms", "fp8_ms", "fp8_smm_ms", "awq_ms", "bf16_x_floor",

@@ -14,7 +14,7 @@ output axis (8 columns per int32), row-parallel ones the input axis (whole group
 
 Products: on the CPU the weight is dequantized for each product (slow, exact to the definition
 above, which is what the tests compare against). On the GPU the weight is repacked once loaded
-(AwqKernelWeight: rows contiguous along the input axis) for the weight-only kernels of
+(AwqKernelWeight: output columns contiguous) for the weight-only kernels of
 srt/layers/quant_gemm_triton.py.
 """
 
@@ -106,8 +106,8 @@ class AwqWeight:
 @dataclass
 class AwqKernelWeight:
     """The same weight in the GPU kernels' layout (srt/layers/quant_gemm_triton.py): `w` int32
-    [N, K/8] with eight consecutive input channels per word (IN_ORDER), `scales` [N, K/G] and
-    `zeros` uint8 [N, K/G], so that a row of the weight is contiguous, as the kernels read it."""
+    [K/8, N] with eight consecutive input channels per word (IN_ORDER), `scales` [K/G, N] and
+    `zeros` uint8 [K/G, N], so that output columns are contiguous, as the kernels read them."""
 
     w: torch.Tensor
     scales: torch.Tensor
@@ -115,15 +115,15 @@ class AwqKernelWeight:
 
     @classmethod
     def from_checkpoint(cls, a: AwqWeight) -> "AwqKernelWeight":
-        return cls(pack_awq(unpack_awq(a.qweight).t(), IN_ORDER), a.scales.t().contiguous(),
-                   unpack_awq(a.qzeros).t().to(torch.uint8).contiguous())
+        w = pack_awq(unpack_awq(a.qweight).t(), IN_ORDER).t().contiguous()
+        return cls(w, a.scales.contiguous(), unpack_awq(a.qzeros).to(torch.uint8))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [N, K] in `dtype` (torch; dequantize_awq's values)."""
-        q = unpack_awq(self.w, IN_ORDER).float()
-        group = q.shape[1] // self.scales.shape[1]
-        z = self.zeros.float().repeat_interleave(group, 1)
-        return ((q - z) * self.scales.float().repeat_interleave(group, 1)).to(dtype)
+        q = unpack_awq(self.w.t(), IN_ORDER).float()  # [N, K]
+        group = q.shape[1] // self.scales.shape[0]
+        z = self.zeros.t().float().repeat_interleave(group, 1)
+        return ((q - z) * self.scales.t().float().repeat_interleave(group, 1)).to(dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T in x's dtype: on the GPU the weight-only kernels for few rows, one
@@ -136,7 +136,7 @@ class AwqKernelWeight:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.shape[0] >= DEQUANT_MIN_ROWS:
-            out = F.linear(x2, dequantize_int4(self.w, self.scales, self.zeros, x.dtype))
+            out = x2 @ dequantize_int4(self.w, self.scales, self.zeros, x.dtype)
         else:
             out = wo_matmul(x2 if x2.stride(1) == 1 else x2.contiguous(), self.w, self.scales,
                             self.zeros)

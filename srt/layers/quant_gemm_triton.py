@@ -1,24 +1,25 @@
 """Weight-only products with quantized weights, for the few rows of decode: x [M, K] in the
-model dtype times a weight stored along K ("[N, K]", as nn.Linear holds it) and dequantized
-inside the kernel, so that the product reads each weight byte once and nothing else.
+model dtype times a weight dequantized inside the kernel, so that the product reads each weight
+byte once and nothing else.
 
 Two weight formats (`INT4` selects):
-- FP8 e4m3 `w [N, K]` with one scale per output row `s [N]` (srt/layers/fp8.py);
-- int4 `w [N, K / 8]` int32, eight consecutive input channels per word (channel 8 j + i in
-  bits 4 i .. 4 i + 3 of word j), with `s [N, K / G]` scales and `z [N, K / G]` uint8 zero
-  points per group of G input channels: w[n, k] = (q - z) * s (srt/layers/awq.py's
-  AwqKernelWeight repacks AutoAWQ's layout into this one on the GPU).
+- FP8 e4m3 `w [N, K]` (as nn.Linear holds it) with one scale per output row `s [N]`
+  (srt/layers/fp8.py);
+- int4 `w [K / 8, N]` int32, eight consecutive input channels per word (channel 8 j + i in
+  bits 4 i .. 4 i + 3 of word row j), with `s [K / G, N]` scales and `z [K / G, N]` uint8 zero
+  points per group of G input channels: w[n, k] = (q - z) * s. Output columns are contiguous,
+  so that a program's loads of a word row are wide (srt/layers/awq.py's AwqKernelWeight
+  repacks AutoAWQ's layout into this one on the GPU).
 
 Two kernels:
-- `_gemv_kernel`, one row of x per program: the weight tile is multiplied on the CUDA cores
-  into a float32 accumulator of the tile's shape, reduced once at the end (or, REDUCE, into
-  one value per output row every tile: fewer registers, more programs per SM). int4 values become
-  floats through the bits of 2^23 + q (an OR and a subtraction), not an integer conversion,
-  which runs at an eighth of the floating-point rate.
+- `_gemv_kernel`, one row of x per program, on the CUDA cores into a float32 accumulator of
+  the tile's shape, reduced once at the end (or, REDUCE, every tile: fewer registers, more
+  programs per SM). No integer-to-float conversions (an eighth of the floating-point rate):
+  int4 values become floats through their bits (see the kernel).
 - `_dot_kernel`, BLOCK_M rows per program on the tensor cores: the tile is dequantized to x's
   dtype and multiplied by tl.dot.
-Both cut the output axis into BLOCK_N rows and optionally split K over SPLIT_K programs (float32
-atomic adds), so that enough programs stream the weight at once. Both run in Triton's
+Both cut the output axis into BLOCK_N columns and optionally split K over SPLIT_K programs
+(float32 atomic adds), so that enough programs stream the weight at once. Both run in Triton's
 interpreter on the CPU (tests).
 """
 
@@ -30,8 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-# 2^23: the float32 with bits 0x4B000000; 2^23 + q has q in its low bits
-MAGIC = tl.constexpr(8388608.0)
 # Rows from which a product dequantizes the int4 weight once and runs a GEMM (prefill)
 DEQUANT_MIN_ROWS = 256
 
@@ -49,32 +48,45 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_xm, stride_w,
     rows = offs_n[:, None].to(tl.int64)
     x_row = x_ptr + m * stride_xm
     if INT4:
+        # One group per tile (BLOCK_K divides GROUP). Word row j of the tile holds channels
+        # 8 j + i (bits 4 i); nibble i is moved to bits 16..19 of the float 1.0, which makes
+        # it 1 + q / 128 (a shift and a masked OR: no integer-to-float conversion), and
+        #   sum_i (q_i - z) x_i / 128 = sum_i (1 + q_i / 128) x_i - (1 + z / 128) sum_i x_i,
+        # so that each value costs two integer operations and one fused multiply-add, and the
+        # zero point one multiply-add per word.
         BLOCK_W: tl.constexpr = BLOCK_K // 8
         offs_w = tl.arange(0, BLOCK_W)
-        nib = tl.arange(0, 8)
-        acc3 = tl.zeros((BLOCK_N, BLOCK_W, 8), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-            wi = k0 // 8 + offs_w  # word index along K
-            mask = mask_n[:, None] & (wi < K // 8)[None, :]
-            words = tl.load(w_ptr + rows * stride_w + wi[None, :], mask=mask, other=0)
-            g = wi // (GROUP // 8)  # each word lies in one group
-            s = tl.load(s_ptr + rows * stride_s + g[None, :], mask=mask, other=0.0)
-            z = tl.load(z_ptr + rows * stride_z + g[None, :], mask=mask, other=0)
-            ks = k0 + offs_w[:, None] * 8 + nib[None, :]
-            x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-            bits = ((words[:, :, None] >> (nib * 4)[None, None, :]) & 0xF) | 0x4B000000
+            wi = k0 // 8 + offs_w
+            mask_w = wi < K // 8
+            words = tl.load(w_ptr + wi[:, None].to(tl.int64) * stride_w + offs_n[None, :],
+                            mask=mask_w[:, None] & mask_n[None, :], other=0)
+            g = k0 // GROUP
+            s = tl.load(s_ptr + g * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * stride_z + offs_n, mask=mask_n, other=0).to(tl.float32)
+            xs = tl.zeros((BLOCK_W,), dtype=tl.float32)
+            for i in tl.static_range(8):
+                xs += tl.load(x_row + wi * 8 + i, mask=mask_w, other=0.0).to(tl.float32)
+            part = -xs[:, None] * (1.0 + z * 0.0078125)[None, :]
+            for i in tl.static_range(8):
+                xi = tl.load(x_row + wi * 8 + i, mask=mask_w, other=0.0).to(tl.float32)
+                if i < 4:
+                    moved = words << (16 - 4 * i)
+                elif i > 4:
+                    moved = words >> (4 * i - 16)
+                else:
+                    moved = words
+                v = ((moved & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
+                part += v * xi[:, None]
             if REDUCE:
-                # per word: s (sum_i q_i x_i - z sum_i x_i); reduced every tile, so that no
-                # tile-sized accumulator holds registers
-                qx = tl.sum((bits.to(tl.float32, bitcast=True) - MAGIC) * x[None, :, :], 2)
-                xs = tl.sum(x, 1)
-                acc += tl.sum((qx - z.to(tl.float32) * xs[None, :]) * s.to(tl.float32), 1)
+                acc += tl.sum(part, 0) * s
             else:
-                q = bits.to(tl.float32, bitcast=True) - (z.to(tl.float32) + MAGIC)[:, :, None]
-                acc3 += q * s.to(tl.float32)[:, :, None] * x[None, :, :]
+                acc2 += part * s[None, :]
         if not REDUCE:
-            acc = tl.sum(tl.sum(acc3, 2), 1)
+            acc = tl.sum(acc2, 0)
+        acc = acc * 128.0
     else:
         offs_k = tl.arange(0, BLOCK_K)
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -122,24 +134,23 @@ def _dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
             # from the bits (fp16 0x6400 | q is 1024 + q, bf16 0x4300 | q is 128 + q) and
             # q - z is taken in that precision (exact: -15..15), so that the tensor cores
             # multiply x by q - z and only the group's scale is applied after.
-            BLOCK_W: tl.constexpr = BLOCK_K // 8
-            wi = k0 // 8 + tl.arange(0, BLOCK_W)
-            words = tl.load(w_ptr + rows * stride_w + wi[None, :],
-                            mask=mask_n[:, None] & (wi < K // 8)[None, :], other=0)
-            nib = tl.arange(0, 8) * 4
-            q = tl.reshape((words[:, :, None] >> nib[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+            # Each word is loaded for its eight channels (rows of the [BLOCK_K, BLOCK_N] tile;
+            # the repeats come from L1) and shifted by its row's nibble.
+            words = tl.load(w_ptr + (ks // 8)[:, None].to(tl.int64) * stride_w + offs_n[None, :],
+                            mask=(ks < K)[:, None] & mask_n[None, :], other=0)
+            q = (words >> ((ks % 8) * 4)[:, None]) & 0xF
             g = k0 // GROUP
-            s = tl.load(s_ptr + offs_n * stride_s + g, mask=mask_n, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + offs_n * stride_z + g, mask=mask_n, other=0).to(tl.float32)
+            s = tl.load(s_ptr + g * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * stride_z + offs_n, mask=mask_n, other=0).to(tl.float32)
             if x.dtype == tl.float16:
                 h = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-                h = h - (z + 1024.0).to(tl.float16)[:, None]
+                h = h - (z + 1024.0).to(tl.float16)[None, :]
             elif x.dtype == tl.bfloat16:
                 h = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                h = h - (z + 128.0).to(tl.bfloat16)[:, None]
+                h = h - (z + 128.0).to(tl.bfloat16)[None, :]
             else:
-                h = q.to(x.dtype) - z[:, None]
-            acc += tl.dot(x, tl.trans(h), input_precision=PRECISION) * s[None, :]
+                h = q.to(x.dtype) - z[None, :]
+            acc += tl.dot(x, h, input_precision=PRECISION) * s[None, :]
         else:
             w = tl.load(w_ptr + rows * stride_w + ks[None, :],
                         mask=mask_n[:, None] & (ks < K)[None, :], other=0.0).to(x.dtype)
@@ -157,34 +168,34 @@ def _dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
 @triton.jit
 def _dequant_int4_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_w, stride_s, stride_z,
                          stride_o, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_W: tl.constexpr):
+                         BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    wi = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    rows = offs_n[:, None].to(tl.int64)
-    mask = (offs_n < N)[:, None] & (wi < K // 8)[None, :]
-    words = tl.load(w_ptr + rows * stride_w + wi[None, :], mask=mask, other=0)
-    g = wi // (GROUP // 8)
-    s = tl.load(s_ptr + rows * stride_s + g[None, :], mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + rows * stride_z + g[None, :], mask=mask, other=0).to(tl.float32)
-    nib = tl.arange(0, 8)
-    bits = ((words[:, :, None] >> (nib * 4)[None, None, :]) & 0xF) | 0x4B000000
-    w = (bits.to(tl.float32, bitcast=True) - (z + MAGIC)[:, :, None]) * s[:, :, None]
-    ks = wi[None, :, None] * 8 + nib[None, None, :]
-    tl.store(out_ptr + rows[:, :, None] * stride_o + ks, w.to(out_ptr.dtype.element_ty),
-             mask=mask[:, :, None])
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (ks < K)[:, None] & (offs_n < N)[None, :]
+    words = tl.load(w_ptr + (ks // 8)[:, None].to(tl.int64) * stride_w + offs_n[None, :],
+                    mask=mask, other=0)
+    g = (ks // GROUP)[:, None]
+    s = tl.load(s_ptr + g * stride_s + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * stride_z + offs_n[None, :], mask=mask, other=0).to(tl.float32)
+    q = ((words >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+    tl.store(out_ptr + ks[:, None].to(tl.int64) * stride_o + offs_n[None, :],
+             ((q - z) * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def dequantize_int4(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """The int4 weight of the module docstring's layout as [N, K] in `dtype`: (q - z) * s in
-    float32, rounded once."""
-    n, k = w.shape[0], w.shape[1] * 8
-    group = k // s.shape[1]
-    out = torch.empty((n, k), dtype=dtype, device=w.device)
-    block_n, block_w = 16, 32
-    _dequant_int4_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 8, block_w))](
+def dequantize_int4(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, dtype: torch.dtype,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The int4 weight of the module docstring's layout as [K, N] (the transpose of
+    nn.Linear's) in `dtype`: (q - z) * s in float32, rounded once; into `out` if given."""
+    k, n = w.shape[0] * 8, w.shape[1]
+    group = k // s.shape[0]
+    if out is None:
+        out = torch.empty((k, n), dtype=dtype, device=w.device)
+    elif out.shape != (k, n) or out.dtype != dtype or out.stride(1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} for a weight of {k} x {n} {dtype}")
+    block_n, block_k = 128, 32
+    _dequant_int4_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         w, s, z, out, n, k, w.stride(0), s.stride(0), z.stride(0), out.stride(0), GROUP=group,
-        BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4)
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
 
 
@@ -206,7 +217,7 @@ def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
     benchmarks/bench_quant_gemm.py --sweep)."""
     if int4:
         if m == 1:
-            return WoConfig(1, 8, 256, 1, 2) if n >= 16384 else WoConfig(1, 4, 512, 1, 2)
+            return WoConfig(1, 128, min(group, 128), 1, 4)
         if m <= 16:
             return WoConfig(16, 128, min(group, 128), 4, 4)
         return WoConfig(64, 128, min(group, 128), 1, 4)
@@ -222,23 +233,23 @@ def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
 def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None,
               config: WoConfig | None = None) -> torch.Tensor:
     """x [M, K] (contiguous rows) @ dequant(w).T -> [M, N] in x's dtype. FP8: w [N, K]
-    float8_e4m3fn, s [N]. int4 (z given): w [N, K / 8] int32, s [N, K / G], z [N, K / G]
+    float8_e4m3fn, s [N]. int4 (z given): w [K / 8, N] int32, s [K / G, N], z [K / G, N]
     uint8 (the layout of the module docstring)."""
     int4 = z is not None
     m, k = x.shape
-    n = w.shape[0]
-    if x.stride(1) != 1 or w.stride(1) != 1 or (w.shape[1] * 8 if int4 else w.shape[1]) != k:
+    n = w.shape[1] if int4 else w.shape[0]
+    if x.stride(1) != 1 or w.stride(1) != 1 or (w.shape[0] * 8 if int4 else w.shape[1]) != k:
         raise ValueError(f"x {tuple(x.shape)} against a weight {tuple(w.shape)} {w.dtype}")
-    group = k // s.shape[1] if int4 else 8  # (a constant for FP8: no recompilation per K)
-    if (s.shape[0] != n or s.stride(-1) != 1
-            or (int4 and (s.dim() != 2 or z.shape != s.shape or z.stride(1) != 1
-                          or s.shape[1] * group != k))
-            or (not int4 and s.numel() != n)):
+    group = k // s.shape[0] if int4 else 8  # (a constant for FP8: no recompilation per K)
+    if (s.stride(-1) != 1
+            or (int4 and (s.dim() != 2 or s.shape[1] != n or z.shape != s.shape
+                          or z.stride(1) != 1 or s.shape[0] * group != k))
+            or (not int4 and (s.shape[0] != n or s.numel() != n))):
         raise ValueError(f"scales {tuple(s.shape)}"
                          + (f" / zeros {tuple(z.shape)}" if int4 else "")
                          + f" against a weight of {n} x {k}")
     cfg = config or default_config(m, n, k, int4, group)
-    if int4 and (group % 8 or (cfg.BLOCK_M > 1 and group % cfg.BLOCK_K)):
+    if int4 and (group % 8 or group % cfg.BLOCK_K or cfg.BLOCK_K % 8):
         raise ValueError(f"int4 groups of {group} with BLOCK_K {cfg.BLOCK_K}")
     split = cfg.SPLIT_K
     out = (torch.zeros((m, n), dtype=torch.float32, device=x.device) if split > 1

@@ -43,11 +43,13 @@ def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 def test_kernel_layout_dequantizes_to_the_checkpoints_weight() -> None:
     a, kw = _awq(40, 256, 64, seed=1)
-    assert kw.w.shape == (40, 32) and kw.w.dtype == torch.int32
-    assert kw.scales.shape == (40, 4) and kw.zeros.shape == (40, 4)
+    assert kw.w.shape == (32, 40) and kw.w.dtype == torch.int32
+    assert kw.scales.shape == (4, 40) and kw.zeros.shape == (4, 40)
     for dtype in (torch.float32, torch.float16):
         ref = dequantize_awq(a.qweight, a.qzeros, a.scales, dtype)
-        assert torch.equal(dequantize_int4(kw.w, kw.scales, kw.zeros, dtype), ref)
+        assert torch.equal(kw.dequantize(dtype), ref)
+        out = torch.full((256, 40), float("nan"), dtype=dtype, device=DEV)
+        assert torch.equal(dequantize_int4(kw.w, kw.scales, kw.zeros, dtype, out=out), ref.t())
 
 
 CONFIGS = [
@@ -70,8 +72,8 @@ HALF = [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
 @pytest.mark.parametrize("dtype", [torch.float32] + HALF, ids=str)
 @pytest.mark.parametrize("m,cfg", CONFIGS, ids=lambda v: str(v))
 def test_int4(dtype: torch.dtype, m: int, cfg: WoConfig) -> None:
-    a, kw = _awq(72, 320, 64, seed=m)
-    x = _x(m, 320, dtype, seed=m + 1)
+    a, kw = _awq(72, 384, 128, seed=m)  # three groups
+    x = _x(m, 384, dtype, seed=m + 1)
     ref = x.double() @ dequantize_awq(a.qweight, a.qzeros, a.scales, dtype).double().t()
     out = wo_matmul(x, kw.w, kw.scales, kw.zeros, cfg)
     assert out.dtype == dtype and out.shape == (m, 72)
@@ -108,13 +110,14 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError):
         wo_matmul(_x(1, 64, torch.float32, 0), kw.w, kw.scales, kw.zeros)
     with pytest.raises(ValueError):  # zeros of another shape than the scales
-        wo_matmul(_x(1, 128, torch.float32, 0), kw.w, kw.scales, kw.zeros[:, :1])
+        wo_matmul(_x(1, 128, torch.float32, 0), kw.w, kw.scales, kw.zeros[:1])
     with pytest.raises(ValueError):  # FP8: one scale per output row
         q, s = quantize_per_channel(torch.randn(16, 128))
         wo_matmul(_x(1, 128, torch.float32, 0), q.to(DEV), s[:8].to(DEV))
-    with pytest.raises(ValueError):  # BLOCK_K 128 spans two groups of 64
-        wo_matmul(_x(4, 128, torch.float32, 0), kw.w, kw.scales, kw.zeros,
-                  WoConfig(16, 16, 128))
+    for bm in (1, 16):
+        with pytest.raises(ValueError):  # BLOCK_K 128 spans two groups of 64
+            wo_matmul(_x(4, 128, torch.float32, 0), kw.w, kw.scales, kw.zeros,
+                      WoConfig(bm, 16, 128))
 
 
 @pytest.mark.gpu
