@@ -58,11 +58,18 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_xm, stride_w,
         offs_w = tl.arange(0, BLOCK_W)
         acc2 = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        # the next tile's words are loaded before this one's are used (two tiles in flight)
+        STEP_W: tl.constexpr = BLOCK_W * SPLIT_K
+        w_col = w_ptr + offs_n[None, :]
+        wi = pid_k * BLOCK_W + offs_w
+        words = tl.load(w_col + wi[:, None].to(tl.int64) * stride_w,
+                        mask=(wi < K // 8)[:, None] & mask_n[None, :], other=0)
         for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
             wi = k0 // 8 + offs_w
             mask_w = wi < K // 8
-            words = tl.load(w_ptr + wi[:, None].to(tl.int64) * stride_w + offs_n[None, :],
-                            mask=mask_w[:, None] & mask_n[None, :], other=0)
+            nxt = wi + STEP_W
+            words_next = tl.load(w_col + nxt[:, None].to(tl.int64) * stride_w,
+                                 mask=(nxt < K // 8)[:, None] & mask_n[None, :], other=0)
             g = k0 // GROUP
             s = tl.load(s_ptr + g * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g * stride_z + offs_n, mask=mask_n, other=0).to(tl.float32)
@@ -84,6 +91,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_xm, stride_w,
                 acc += tl.sum(part, 0) * s
             else:
                 acc2 += part * s[None, :]
+            words = words_next
         if not REDUCE:
             acc = tl.sum(acc2, 0)
         acc = acc * 128.0
@@ -134,11 +142,13 @@ def _dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
             # from the bits (fp16 0x6400 | q is 1024 + q, bf16 0x4300 | q is 128 + q) and
             # q - z is taken in that precision (exact: -15..15), so that the tensor cores
             # multiply x by q - z and only the group's scale is applied after.
-            # Each word is loaded for its eight channels (rows of the [BLOCK_K, BLOCK_N] tile;
-            # the repeats come from L1) and shifted by its row's nibble.
-            words = tl.load(w_ptr + (ks // 8)[:, None].to(tl.int64) * stride_w + offs_n[None, :],
-                            mask=(ks < K)[:, None] & mask_n[None, :], other=0)
-            q = (words >> ((ks % 8) * 4)[:, None]) & 0xF
+            # the word rows of the tile, each expanded in registers into its eight channels
+            BLOCK_W: tl.constexpr = BLOCK_K // 8
+            wi = k0 // 8 + tl.arange(0, BLOCK_W)
+            words = tl.load(w_ptr + wi[:, None].to(tl.int64) * stride_w + offs_n[None, :],
+                            mask=(wi < K // 8)[:, None] & mask_n[None, :], other=0)
+            nib = tl.arange(0, 8) * 4
+            q = tl.reshape((words[:, None, :] >> nib[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
             g = k0 // GROUP
             s = tl.load(s_ptr + g * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g * stride_z + offs_n, mask=mask_n, other=0).to(tl.float32)
