@@ -36,8 +36,8 @@ DEQUANT_MIN_ROWS = 256
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_xm, stride_w, stride_s,
-                 stride_z, stride_om, INT4: tl.constexpr, GROUP: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_xm, stride_w,
+                 stride_s, stride_z, stride_om, INT4: tl.constexpr, GROUP: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  REDUCE: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -115,7 +115,18 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_xm, stride_w,
     if SPLIT_K == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
-        tl.atomic_add(out, acc, mask=mask_n)
+        # Split K without extra kernels: each program adds its sums into the float32
+        # workspace, then counts itself in per output (the counter's release orders the add
+        # before it); the SPLIT_K-th to arrive at an output takes the total, leaving zeros for
+        # the next product, writes it in the output's dtype and resets the counter.
+        ws = ws_ptr + m * N + offs_n
+        cnt = cnt_ptr + m * N + offs_n
+        tl.atomic_add(ws, acc, mask=mask_n, sem="relaxed")
+        last = mask_n & (tl.atomic_add(cnt, 1, mask=mask_n, sem="acq_rel") == SPLIT_K - 1)
+        total = tl.atomic_add(ws, 0.0, mask=last, sem="acq_rel")  # (the interpreter has no
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=last)  # float exchange)
+        tl.store(ws, tl.zeros_like(total), mask=last)
+        tl.store(cnt, tl.zeros_like(offs_n), mask=last)
 
 
 @triton.jit
@@ -227,7 +238,7 @@ def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
     benchmarks/bench_quant_gemm.py --sweep)."""
     if int4:
         if m == 1:
-            return WoConfig(1, 128, min(group, 128), 1, 4)
+            return WoConfig(1, 32, min(group, 128), 8 if n > 16384 else 16, 2)
         if m <= 16:
             return WoConfig(16, 128, min(group, 128), 4, 4)
         return WoConfig(64, 128, min(group, 128), 1, 4)
@@ -238,6 +249,25 @@ def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
     if m <= 16:
         return WoConfig(16, 64 if n >= 16384 else 32, 128, 4, 4)
     return WoConfig(64, 64, 128, 4, 4)
+
+
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []  # kept: captured graphs may use them
+
+
+def split_workspace(device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA-core kernel's split-K workspace on `device`: float32 sums and int32 counters,
+    zero between products (each product leaves them so). Kept per device and grown to the
+    largest M x N asked for; products on one device run one after another (one stream)."""
+    ws = _WORKSPACES.get(device)
+    if ws is None or ws[0].numel() < numel:
+        if ws is not None:
+            _OUTGROWN.append(ws)
+        size = max(numel, 1 << 17)
+        ws = (torch.zeros(size, dtype=torch.float32, device=device),
+              torch.zeros(size, dtype=torch.int32, device=device))
+        _WORKSPACES[device] = ws
+    return ws
 
 
 def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None,
@@ -262,17 +292,23 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
     if int4 and (group % 8 or group % cfg.BLOCK_K or cfg.BLOCK_K % 8):
         raise ValueError(f"int4 groups of {group} with BLOCK_K {cfg.BLOCK_K}")
     split = cfg.SPLIT_K
-    out = (torch.zeros((m, n), dtype=torch.float32, device=x.device) if split > 1
+    gemv = cfg.BLOCK_M == 1
+    # the tensor-core kernel splits K into a zeroed float32 output; the CUDA-core one into
+    # a self-resetting workspace (no extra kernels)
+    out = (torch.zeros((m, n), dtype=torch.float32, device=x.device) if split > 1 and not gemv
            else torch.empty((m, n), dtype=x.dtype, device=x.device))
     if m == 0:
         return out.to(x.dtype)
     zz = z if int4 else s  # unused by the FP8 kernel
     strides = (x.stride(0), w.stride(0), s.stride(0) if int4 else 1,
                zz.stride(0) if int4 else 1, out.stride(0))
-    if cfg.BLOCK_M == 1:
+    if gemv:
+        ws, cnt = split_workspace(x.device, m * n) if split > 1 else (out, out)
         _gemv_kernel[(triton.cdiv(n, cfg.BLOCK_N), m, split)](
-            x, w, s, zz, out, n, k, *strides, INT4=int4, GROUP=group, BLOCK_N=cfg.BLOCK_N,
-            BLOCK_K=cfg.BLOCK_K, SPLIT_K=split, REDUCE=cfg.REDUCE, num_warps=cfg.num_warps)
+            x, w, s, zz, out, ws, cnt, n, k, *strides, INT4=int4, GROUP=group,
+            BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_K=split, REDUCE=cfg.REDUCE,
+            num_warps=cfg.num_warps)
+        return out
     else:
         _dot_kernel[(triton.cdiv(n, cfg.BLOCK_N), triton.cdiv(m, cfg.BLOCK_M), split)](
             x, w, s, zz, out, m, n, k, *strides, INT4=int4, GROUP=group, BLOCK_M=cfg.BLOCK_M,

@@ -18,7 +18,8 @@ triton = pytest.importorskip("triton")
 
 from srt.layers.awq import AwqKernelWeight, AwqWeight, dequantize_awq, quantize_awq  # noqa: E402
 from srt.layers.fp8 import dequantize, quantize_per_channel  # noqa: E402
-from srt.layers.quant_gemm_triton import WoConfig, dequantize_int4, wo_matmul  # noqa: E402
+from srt.layers.quant_gemm_triton import (  # noqa: E402
+    WoConfig, dequantize_int4, split_workspace, wo_matmul)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -103,6 +104,23 @@ def test_default_configs_and_paths() -> None:
         assert _rel(kw.matmul(x), x.double() @ w.t()) < TOL[torch.float32]
     x = _x(300, 256, torch.float32, seed=9)
     assert _rel(kw.matmul(x.view(3, 100, 256)).view(300, 48), x.double() @ w.t()) < 1e-5
+
+
+def test_split_k_leaves_its_workspace_zero() -> None:
+    """The CUDA-core kernel's split K sums in a shared workspace that the last program per
+    output resets: products one after another (both formats, two rows) stay exact."""
+    a, kw = _awq(72, 384, 128, seed=5)
+    wa = dequantize_awq(a.qweight, a.qzeros, a.scales, torch.float32).double()
+    q, s = (t.to(DEV) for t in quantize_per_channel(torch.randn(72, 384)))
+    wf = dequantize(q, s, torch.float64)
+    for seed in (1, 2, 3):
+        x = _x(2, 384, torch.float32, seed)
+        out = wo_matmul(x, kw.w, kw.scales, kw.zeros, WoConfig(1, 16, 64, 5, 4))
+        assert _rel(out, x.double() @ wa.t()) < TOL[torch.float32]
+        out = wo_matmul(x, q, s, config=WoConfig(1, 16, 64, 3, 4))
+        assert _rel(out, x.double() @ wf.t()) < TOL[torch.float32]
+    ws, cnt = split_workspace(x.device, 2 * 72)
+    assert not ws.any() and not cnt.any()
 
 
 def test_bad_shapes_are_refused() -> None:
