@@ -36,81 +36,9 @@ DEQUANT_MIN_ROWS = 256
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_xm, stride_w,
-                 stride_s, stride_z, stride_om, INT4: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 REDUCE: tl.constexpr):
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
-    pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows = offs_n[:, None].to(tl.int64)
-    x_row = x_ptr + m * stride_xm
-    if INT4:
-        # One group per tile (BLOCK_K divides GROUP). Word row j of the tile holds channels
-        # 8 j + i (bits 4 i); nibble i is moved to bits 16..19 of the float 1.0, which makes
-        # it 1 + q / 128 (a shift and a masked OR: no integer-to-float conversion), and
-        #   sum_i (q_i - z) x_i / 128 = sum_i (1 + q_i / 128) x_i - (1 + z / 128) sum_i x_i,
-        # so that each value costs two integer operations and one fused multiply-add, and the
-        # zero point one multiply-add per word.
-        BLOCK_W: tl.constexpr = BLOCK_K // 8
-        offs_w = tl.arange(0, BLOCK_W)
-        acc2 = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        # the next tile's words are loaded before this one's are used (two tiles in flight)
-        STEP_W: tl.constexpr = BLOCK_W * SPLIT_K
-        w_col = w_ptr + offs_n[None, :]
-        wi = pid_k * BLOCK_W + offs_w
-        words = tl.load(w_col + wi[:, None].to(tl.int64) * stride_w,
-                        mask=(wi < K // 8)[:, None] & mask_n[None, :], other=0)
-        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-            wi = k0 // 8 + offs_w
-            mask_w = wi < K // 8
-            nxt = wi + STEP_W
-            words_next = tl.load(w_col + nxt[:, None].to(tl.int64) * stride_w,
-                                 mask=(nxt < K // 8)[:, None] & mask_n[None, :], other=0)
-            g = k0 // GROUP
-            s = tl.load(s_ptr + g * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * stride_z + offs_n, mask=mask_n, other=0).to(tl.float32)
-            xs = tl.zeros((BLOCK_W,), dtype=tl.float32)
-            for i in tl.static_range(8):
-                xs += tl.load(x_row + wi * 8 + i, mask=mask_w, other=0.0).to(tl.float32)
-            part = -xs[:, None] * (1.0 + z * 0.0078125)[None, :]
-            for i in tl.static_range(8):
-                xi = tl.load(x_row + wi * 8 + i, mask=mask_w, other=0.0).to(tl.float32)
-                if i < 4:
-                    moved = words << (16 - 4 * i)
-                elif i > 4:
-                    moved = words >> (4 * i - 16)
-                else:
-                    moved = words
-                v = ((moved & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
-                part += v * xi[:, None]
-            if REDUCE:
-                acc += tl.sum(part, 0) * s
-            else:
-                acc2 += part * s[None, :]
-            words = words_next
-        if not REDUCE:
-            acc = tl.sum(acc2, 0)
-        acc = acc * 128.0
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-            ks = k0 + offs_k
-            w = tl.load(w_ptr + rows * stride_w + ks[None, :],
-                        mask=mask_n[:, None] & (ks < K)[None, :], other=0.0)
-            x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-            if REDUCE:
-                acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-            else:
-                acc2 += w.to(tl.float32) * x[None, :]
-        if not REDUCE:
-            acc = tl.sum(acc2, 1)
-        acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+def _finish(acc, offs_n, mask_n, m, out_ptr, ws_ptr, cnt_ptr, N, stride_om,
+            SPLIT_K: tl.constexpr):
+    """Write one program's sums for row m, columns offs_n (the CUDA-core kernels)."""
     out = out_ptr + m * stride_om + offs_n
     if SPLIT_K == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
@@ -127,6 +55,128 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, str
         tl.store(out, total.to(out_ptr.dtype.element_ty), mask=last)  # float exchange)
         tl.store(ws, tl.zeros_like(total), mask=last)
         tl.store(cnt, tl.zeros_like(offs_n), mask=last)
+
+
+@triton.jit
+def _nibble(moved, x):
+    """(1 + q / 128) * x for the nibble q at bits 16..19 of `moved`: those bits become the
+    top of the mantissa of 1.0 (a masked OR, no integer-to-float conversion)."""
+    return ((moved & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True) * x[:, None]
+
+
+@triton.jit
+def _words_dot(init, words, x0, x1, x2, x3, x4, x5, x6, x7):
+    """init + sum_i (1 + q_i / 128) x_i per word, q_i the nibble at bits 4 i."""
+    acc = init + _nibble(words << 16, x0)
+    acc += _nibble(words << 12, x1)
+    acc += _nibble(words << 8, x2)
+    acc += _nibble(words << 4, x3)
+    acc += _nibble(words, x4)
+    acc += _nibble(words >> 4, x5)
+    acc += _nibble(words >> 8, x6)
+    acc += _nibble(words >> 12, x7)
+    return acc
+
+
+@triton.jit
+def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_xm,
+                      stride_w, stride_s, stride_z, stride_om, GROUP: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                      UNROLL_N: tl.constexpr):
+    # One group per tile (BLOCK_K divides GROUP); word row j of a tile holds channels 8 j + i
+    # (bits 4 i). With 1 + q / 128 from _nibble,
+    #   sum_i (q_i - z) x_i / 128 = sum_i (1 + q_i / 128) x_i - (1 + z / 128) sum_i x_i,
+    # so that each value costs a shift, a masked OR and a multiply-add, and the zero point a
+    # multiply-add per word. UNROLL_N (1 or 2) column tiles per program share the loads and
+    # conversions of x.
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    pid_k = tl.program_id(2)
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    STEP_W: tl.constexpr = BLOCK_W * SPLIT_K
+    KW = K // 8
+    offs_w = tl.arange(0, BLOCK_W)
+    offs_a = pid_n * (BLOCK_N * UNROLL_N) + tl.arange(0, BLOCK_N)
+    offs_b = offs_a + BLOCK_N
+    mask_a = offs_a < N
+    mask_b = offs_b < N
+    col_a = w_ptr + offs_a[None, :]
+    col_b = w_ptr + offs_b[None, :]
+    x_row = x_ptr + m * stride_xm
+    acc_a = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
+    # the next tile's words are loaded before this one's are used (two tiles in flight)
+    wi = pid_k * BLOCK_W + offs_w
+    rows = wi[:, None].to(tl.int64) * stride_w
+    w_a = tl.load(col_a + rows, mask=(wi < KW)[:, None] & mask_a[None, :], other=0)
+    w_b = w_a
+    if UNROLL_N == 2:
+        w_b = tl.load(col_b + rows, mask=(wi < KW)[:, None] & mask_b[None, :], other=0)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        wi = k0 // 8 + offs_w
+        mask_w = wi < KW
+        nxt = wi + STEP_W
+        rows = nxt[:, None].to(tl.int64) * stride_w
+        n_a = tl.load(col_a + rows, mask=(nxt < KW)[:, None] & mask_a[None, :], other=0)
+        n_b = n_a
+        if UNROLL_N == 2:
+            n_b = tl.load(col_b + rows, mask=(nxt < KW)[:, None] & mask_b[None, :], other=0)
+        xp = x_row + wi * 8
+        x0 = tl.load(xp, mask=mask_w, other=0.0).to(tl.float32)
+        x1 = tl.load(xp + 1, mask=mask_w, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + 2, mask=mask_w, other=0.0).to(tl.float32)
+        x3 = tl.load(xp + 3, mask=mask_w, other=0.0).to(tl.float32)
+        x4 = tl.load(xp + 4, mask=mask_w, other=0.0).to(tl.float32)
+        x5 = tl.load(xp + 5, mask=mask_w, other=0.0).to(tl.float32)
+        x6 = tl.load(xp + 6, mask=mask_w, other=0.0).to(tl.float32)
+        x7 = tl.load(xp + 7, mask=mask_w, other=0.0).to(tl.float32)
+        xs = -(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * stride_s + offs_a, mask=mask_a, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_z + offs_a, mask=mask_a, other=0).to(tl.float32)
+        init = xs[:, None] * (1.0 + z * 0.0078125)[None, :]
+        acc_a += _words_dot(init, w_a, x0, x1, x2, x3, x4, x5, x6, x7) * s[None, :]
+        w_a = n_a
+        if UNROLL_N == 2:
+            s = tl.load(s_ptr + g * stride_s + offs_b, mask=mask_b, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * stride_z + offs_b, mask=mask_b, other=0).to(tl.float32)
+            init = xs[:, None] * (1.0 + z * 0.0078125)[None, :]
+            acc_b += _words_dot(init, w_b, x0, x1, x2, x3, x4, x5, x6, x7) * s[None, :]
+            w_b = n_b
+    _finish(tl.sum(acc_a, 0) * 128.0, offs_a, mask_a, m, out_ptr, ws_ptr, cnt_ptr, N,
+            stride_om, SPLIT_K)
+    if UNROLL_N == 2:
+        _finish(tl.sum(acc_b, 0) * 128.0, offs_b, mask_b, m, out_ptr, ws_ptr, cnt_ptr, N,
+                stride_om, SPLIT_K)
+
+
+@triton.jit
+def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_xm, stride_w,
+                     stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, REDUCE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n[:, None].to(tl.int64)
+    x_row = x_ptr + m * stride_xm
+    offs_k = tl.arange(0, BLOCK_K)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        ks = k0 + offs_k
+        w = tl.load(w_ptr + rows * stride_w + ks[None, :],
+                    mask=mask_n[:, None] & (ks < K)[None, :], other=0.0)
+        x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        if REDUCE:
+            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+        else:
+            acc2 += w.to(tl.float32) * x[None, :]
+    if not REDUCE:
+        acc = tl.sum(acc2, 1)
+    acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    _finish(acc, offs_n, mask_n, m, out_ptr, ws_ptr, cnt_ptr, N, stride_om, SPLIT_K)
 
 
 @triton.jit
@@ -230,7 +280,8 @@ class WoConfig:
     BLOCK_K: int
     SPLIT_K: int = 1
     num_warps: int = 4
-    REDUCE: int = 0  # CUDA-core kernel: reduce every tile (1) or once at the end (0)
+    REDUCE: int = 0  # CUDA-core FP8 kernel: reduce every tile (1) or once at the end (0)
+    UNROLL_N: int = 1  # CUDA-core int4 kernel: column tiles per program (1 or 2)
 
 
 def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
@@ -291,6 +342,8 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
     cfg = config or default_config(m, n, k, int4, group)
     if int4 and (group % 8 or group % cfg.BLOCK_K or cfg.BLOCK_K % 8):
         raise ValueError(f"int4 groups of {group} with BLOCK_K {cfg.BLOCK_K}")
+    if cfg.UNROLL_N not in (1, 2):
+        raise ValueError(f"UNROLL_N {cfg.UNROLL_N}: 1 or 2")
     split = cfg.SPLIT_K
     gemv = cfg.BLOCK_M == 1
     # the tensor-core kernel splits K into a zeroed float32 output; the CUDA-core one into
@@ -304,10 +357,16 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
                zz.stride(0) if int4 else 1, out.stride(0))
     if gemv:
         ws, cnt = split_workspace(x.device, m * n) if split > 1 else (out, out)
-        _gemv_kernel[(triton.cdiv(n, cfg.BLOCK_N), m, split)](
-            x, w, s, zz, out, ws, cnt, n, k, *strides, INT4=int4, GROUP=group,
-            BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_K=split, REDUCE=cfg.REDUCE,
-            num_warps=cfg.num_warps)
+        if int4:
+            _gemv_int4_kernel[(triton.cdiv(n, cfg.BLOCK_N * cfg.UNROLL_N), m, split)](
+                x, w, s, z, out, ws, cnt, n, k, *strides, GROUP=group, BLOCK_N=cfg.BLOCK_N,
+                BLOCK_K=cfg.BLOCK_K, SPLIT_K=split, UNROLL_N=cfg.UNROLL_N,
+                num_warps=cfg.num_warps)
+        else:
+            _gemv_fp8_kernel[(triton.cdiv(n, cfg.BLOCK_N), m, split)](
+                x, w, s, out, ws, cnt, n, k, x.stride(0), w.stride(0), out.stride(0),
+                BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_K=split, REDUCE=cfg.REDUCE,
+                num_warps=cfg.num_warps)
         return out
     else:
         _dot_kernel[(triton.cdiv(n, cfg.BLOCK_N), triton.cdiv(m, cfg.BLOCK_M), split)](

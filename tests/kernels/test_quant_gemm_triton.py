@@ -59,6 +59,8 @@ CONFIGS = [
     (2, WoConfig(1, 8, 128, 3, 4)),
     (1, WoConfig(1, 16, 64, 1, 4, REDUCE=1)),
     (2, WoConfig(1, 8, 128, 2, 4, REDUCE=1)),
+    (1, WoConfig(1, 16, 64, 4, 2, UNROLL_N=2)),  # (REDUCE is FP8's, UNROLL_N int4's)
+    (2, WoConfig(1, 32, 128, 1, 2, UNROLL_N=2)),
     # tensor-core kernel: M not a multiple of BLOCK_M, split K
     (5, WoConfig(16, 32, 32, 1, 4)),
     (19, WoConfig(16, 16, 64, 2, 4)),
@@ -115,7 +117,7 @@ def test_split_k_leaves_its_workspace_zero() -> None:
     wf = dequantize(q, s, torch.float64)
     for seed in (1, 2, 3):
         x = _x(2, 384, torch.float32, seed)
-        out = wo_matmul(x, kw.w, kw.scales, kw.zeros, WoConfig(1, 16, 64, 5, 4))
+        out = wo_matmul(x, kw.w, kw.scales, kw.zeros, WoConfig(1, 16, 64, 5, 4, UNROLL_N=2))
         assert _rel(out, x.double() @ wa.t()) < TOL[torch.float32]
         out = wo_matmul(x, q, s, config=WoConfig(1, 16, 64, 3, 4))
         assert _rel(out, x.double() @ wf.t()) < TOL[torch.float32]
