@@ -58,31 +58,56 @@ def _finish(acc, offs_n, mask_n, m, out_ptr, ws_ptr, cnt_ptr, N, stride_om,
 
 
 @triton.jit
-def _nibble(moved, x):
+def _nibble(moved, x, hi, one):
     """(1 + q / 128) * x for the nibble q at bits 16..19 of `moved`: those bits become the
     top of the mantissa of 1.0 (a masked OR, no integer-to-float conversion)."""
-    return ((moved & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True) * x[:, None]
+    return ((moved & hi) | one).to(tl.float32, bitcast=True) * x[:, None]
 
 
 @triton.jit
-def _words_dot(init, words, x0, x1, x2, x3, x4, x5, x6, x7):
+def _words_dot(init, words, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one):
     """init + sum_i (1 + q_i / 128) x_i per word, q_i the nibble at bits 4 i."""
-    acc = init + _nibble(words << 16, x0)
-    acc += _nibble(words << 12, x1)
-    acc += _nibble(words << 8, x2)
-    acc += _nibble(words << 4, x3)
-    acc += _nibble(words, x4)
-    acc += _nibble(words >> 4, x5)
-    acc += _nibble(words >> 8, x6)
-    acc += _nibble(words >> 12, x7)
+    acc = init + _nibble(words << 16, x0, hi, one)
+    acc += _nibble(words << 12, x1, hi, one)
+    acc += _nibble(words << 8, x2, hi, one)
+    acc += _nibble(words << 4, x3, hi, one)
+    acc += _nibble(words, x4, hi, one)
+    acc += _nibble(words >> 4, x5, hi, one)
+    acc += _nibble(words >> 8, x6, hi, one)
+    acc += _nibble(words >> 12, x7, hi, one)
+    return acc
+
+
+@triton.jit
+def _nibble_low(moved, x, lo, one):
+    """(1 + q / 2048) * x for the nibble q at bits 12..15 of `moved`."""
+    return ((moved & lo) | one).to(tl.float32, bitcast=True) * x[:, None]
+
+
+@triton.jit
+def _words_dot_4_shifts(init, words, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one):
+    """init + sum_i c_i (1 + q_i / 128 or / 2048) x_i, with c_i = 16 for the nibbles read at bits
+    12..15 (0, 1, 3, 5) and 1 for those at bits 16..19 (2, 4, 6, 7): four shifts per word where
+    _words_dot takes seven. The low position keeps 2^-13 of a value's relative precision
+    instead of 2^-19, well below a half-precision activation's (hence only for those)."""
+    w8 = words << 8
+    r8 = words >> 8
+    acc = init + _nibble_low(words << 12, x0 * 16.0, lo, one)
+    acc += _nibble_low(w8, x1 * 16.0, lo, one)
+    acc += _nibble(w8, x2, hi, one)
+    acc += _nibble_low(words, x3 * 16.0, lo, one)
+    acc += _nibble(words, x4, hi, one)
+    acc += _nibble_low(r8, x5 * 16.0, lo, one)
+    acc += _nibble(r8, x6, hi, one)
+    acc += _nibble(words >> 12, x7, hi, one)
     return acc
 
 
 @triton.jit
 def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_xm,
-                      stride_w, stride_s, stride_z, stride_om, GROUP: tl.constexpr,
+                      stride_w, stride_s, stride_z, stride_om, hi, lo, one, GROUP: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                      UNROLL_N: tl.constexpr):
+                      UNROLL_N: tl.constexpr, FOUR_SHIFTS: tl.constexpr):
     # One group per tile (BLOCK_K divides GROUP); word row j of a tile holds channels 8 j + i
     # (bits 4 i). With 1 + q / 128 from _nibble,
     #   sum_i (q_i - z) x_i / 128 = sum_i (1 + q_i / 128) x_i - (1 + z / 128) sum_i x_i,
@@ -130,18 +155,31 @@ def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K
         x5 = tl.load(xp + 5, mask=mask_w, other=0.0).to(tl.float32)
         x6 = tl.load(xp + 6, mask=mask_w, other=0.0).to(tl.float32)
         x7 = tl.load(xp + 7, mask=mask_w, other=0.0).to(tl.float32)
+        # the word's sum then starts at -(sum_i c_i x_i + z / 128 sum_i x_i) (c_i: the
+        # weights of the 1's of the values: 1, or 16 at the low position)
         xs = -(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))
+        xc = xs
+        if FOUR_SHIFTS:
+            xc = xs - 15.0 * ((x0 + x1) + (x3 + x5))
         g = k0 // GROUP
         s = tl.load(s_ptr + g * stride_s + offs_a, mask=mask_a, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * stride_z + offs_a, mask=mask_a, other=0).to(tl.float32)
-        init = xs[:, None] * (1.0 + z * 0.0078125)[None, :]
-        acc_a += _words_dot(init, w_a, x0, x1, x2, x3, x4, x5, x6, x7) * s[None, :]
+        init = xc[:, None] + xs[:, None] * (z * 0.0078125)[None, :]
+        if FOUR_SHIFTS:
+            part = _words_dot_4_shifts(init, w_a, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one)
+        else:
+            part = _words_dot(init, w_a, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one)
+        acc_a += part * s[None, :]
         w_a = n_a
         if UNROLL_N == 2:
             s = tl.load(s_ptr + g * stride_s + offs_b, mask=mask_b, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g * stride_z + offs_b, mask=mask_b, other=0).to(tl.float32)
-            init = xs[:, None] * (1.0 + z * 0.0078125)[None, :]
-            acc_b += _words_dot(init, w_b, x0, x1, x2, x3, x4, x5, x6, x7) * s[None, :]
+            init = xc[:, None] + xs[:, None] * (z * 0.0078125)[None, :]
+            if FOUR_SHIFTS:
+                part = _words_dot_4_shifts(init, w_b, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one)
+            else:
+                part = _words_dot(init, w_b, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one)
+            acc_b += part * s[None, :]
             w_b = n_b
     _finish(tl.sum(acc_a, 0) * 128.0, offs_a, mask_a, m, out_ptr, ws_ptr, cnt_ptr, N,
             stride_om, SPLIT_K)
@@ -302,6 +340,11 @@ def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
     return WoConfig(64, 64, 128, 4, 4)
 
 
+# The masks of the nibble positions and the bits of 1.0, passed as arguments rather than
+# written as constants, so that they stay in registers: as immediates the compiler rebuilds
+# one before nearly every masked OR (it takes one immediate), an instruction per value.
+_NIBBLE_BITS = (0xF0000, 0xF000, 0x3F800000)
+
 _WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []  # kept: captured graphs may use them
 
@@ -359,9 +402,10 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
         ws, cnt = split_workspace(x.device, m * n) if split > 1 else (out, out)
         if int4:
             _gemv_int4_kernel[(triton.cdiv(n, cfg.BLOCK_N * cfg.UNROLL_N), m, split)](
-                x, w, s, z, out, ws, cnt, n, k, *strides, GROUP=group, BLOCK_N=cfg.BLOCK_N,
+                x, w, s, z, out, ws, cnt, n, k, *strides, *_NIBBLE_BITS, GROUP=group,
+                BLOCK_N=cfg.BLOCK_N,
                 BLOCK_K=cfg.BLOCK_K, SPLIT_K=split, UNROLL_N=cfg.UNROLL_N,
-                num_warps=cfg.num_warps)
+                FOUR_SHIFTS=x.dtype != torch.float32, num_warps=cfg.num_warps)
         else:
             _gemv_fp8_kernel[(triton.cdiv(n, cfg.BLOCK_N), m, split)](
                 x, w, s, out, ws, cnt, n, k, x.stride(0), w.stride(0), out.stride(0),
