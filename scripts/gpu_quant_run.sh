@@ -3,6 +3,8 @@
 #   PART=kernels  the GPU tests of the FP8 / AWQ / FP8-KV kernels and the attention kernels,
 #                 bench_quant_gemm.py, batch-1 latency of bf16 and AWQ int4 weights
 #   PART=tune     the GPU tests of the quantized products, bench_quant_gemm.py --sweep
+#   PART=awq      the GPU tests of the weight-only kernels, bench_quant_gemm.py at 1, 2 and 4 rows
+#                 with the AWQ tiles swept, batch-1 latency of bf16 and AWQ int4 weights
 #   PART=1|2|3    copy that part of the vLLM bundle (scripts/gpu_peer_run.sh), and
 #                 1: srt W1 / B1 / W2 with --quantization fp8; B1 of bf16 and AWQ int4
 #                 2: the same with --kv-cache-dtype fp8_e4m3 as well
@@ -17,7 +19,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 peer() { PART=$COPY bash scripts/gpu_peer_run.sh; }  # COPY: the bundle part to copy
-COPY=$PART; case $PART in kernels|tune) COPY= ;; esac
+COPY=$PART; case $PART in kernels|tune|awq) COPY= ;; esac
 W="offline:llama3-8b latency:llama3-8b prefix:llama3-8b"
 case $PART in
   kernels)
@@ -40,6 +42,16 @@ case $PART in
         | tee -a "$OUT/tests.log"
     done
     SRT=quantgemm QG_ARGS="--sweep ${QG_EXTRA:-}" peer ;;
+  awq)
+    for t in tests/kernels/test_quant_gemm_triton.py tests/unit/test_awq.py; do
+      echo "== $t" | tee -a "$OUT/tests.log"
+      timeout 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider "$t" 2>&1 | tail -25 \
+        | tee -a "$OUT/tests.log"
+    done
+    SRT=quantgemm QG_ARGS="--rows 1 2 4 --sweep --sweep-rows 1 2 4 --formats awq" peer
+    for cfg in "bf16:" "awq:--awq-group-size 128"; do
+      TAG=${cfg%%:*} SRT_ARGS="${cfg#*:}" SRT="latency:llama3-8b" peer
+    done ;;
   1) TAG=fp8 SRT_ARGS="--quantization fp8" SRT=$W peer
      for cfg in "bf16:" "awq:--awq-group-size 128"; do
        TAG=${cfg%%:*} SRT_ARGS="${cfg#*:}" SRT="latency:llama3-8b" COPY= peer
