@@ -104,32 +104,68 @@ def _words_dot_4_shifts(init, words, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one
 
 
 @triton.jit
-def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_xm,
+def _x_tile(xp, mask, FOUR_SHIFTS: tl.constexpr):
+    """The activations of a tile's word rows (xp: their first channels), x0 .. x7 in float32,
+    and the start of each word's sum: xs = -sum_i x_i and xc = -sum_i c_i x_i (c_i: the
+    weight of the 1 of value i, 16 at the low position of _words_dot_4_shifts, else 1)."""
+    x0 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(xp + 1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xp + 2, mask=mask, other=0.0).to(tl.float32)
+    x3 = tl.load(xp + 3, mask=mask, other=0.0).to(tl.float32)
+    x4 = tl.load(xp + 4, mask=mask, other=0.0).to(tl.float32)
+    x5 = tl.load(xp + 5, mask=mask, other=0.0).to(tl.float32)
+    x6 = tl.load(xp + 6, mask=mask, other=0.0).to(tl.float32)
+    x7 = tl.load(xp + 7, mask=mask, other=0.0).to(tl.float32)
+    xs = -(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))
+    xc = xs
+    if FOUR_SHIFTS:
+        xc = xs - 15.0 * ((x0 + x1) + (x3 + x5))
+    return x0, x1, x2, x3, x4, x5, x6, x7, xs, xc
+
+
+@triton.jit
+def _tile_part(words, s, zc, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one,
+               FOUR_SHIFTS: tl.constexpr):
+    """s * sum_i (q_i - z) x_i / 128 per word of the tile (zc = z / 128)."""
+    init = xc[:, None] + xs[:, None] * zc[None, :]
+    if FOUR_SHIFTS:
+        part = _words_dot_4_shifts(init, words, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one)
+    else:
+        part = _words_dot(init, words, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one)
+    return part * s[None, :]
+
+
+@triton.jit
+def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
                       stride_w, stride_s, stride_z, stride_om, hi, lo, one, GROUP: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                      UNROLL_N: tl.constexpr, FOUR_SHIFTS: tl.constexpr):
+                      UNROLL_N: tl.constexpr, ROWS: tl.constexpr, FOUR_SHIFTS: tl.constexpr):
     # One group per tile (BLOCK_K divides GROUP); word row j of a tile holds channels 8 j + i
     # (bits 4 i). With 1 + q / 128 from _nibble,
     #   sum_i (q_i - z) x_i / 128 = sum_i (1 + q_i / 128) x_i - (1 + z / 128) sum_i x_i,
     # so that each value costs a shift, a masked OR and a multiply-add, and the zero point a
     # multiply-add per word. UNROLL_N (1 or 2) column tiles per program share the loads and
-    # conversions of x.
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
+    # conversions of x; ROWS (1 or 2) rows of x share the values taken from the words.
+    pid_m = tl.program_id(0)  # fastest: the programs of other rows read the same words next
+    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     BLOCK_W: tl.constexpr = BLOCK_K // 8
     STEP_W: tl.constexpr = BLOCK_W * SPLIT_K
     KW = K // 8
+    m0 = pid_m.to(tl.int64) * ROWS
     offs_w = tl.arange(0, BLOCK_W)
     offs_a = pid_n * (BLOCK_N * UNROLL_N) + tl.arange(0, BLOCK_N)
     offs_b = offs_a + BLOCK_N
     mask_a = offs_a < N
     mask_b = offs_b < N
+    has1 = (offs_w * 0 + m0 + 1) < M  # a second row (as a mask of the tile's word rows)
     col_a = w_ptr + offs_a[None, :]
     col_b = w_ptr + offs_b[None, :]
-    x_row = x_ptr + m * stride_xm
-    acc_a = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
+    x_row = x_ptr + m0 * stride_xm
+    acc_a0 = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
+    acc_b0 = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
+    acc_a1 = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
+    acc_b1 = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
     # the next tile's words are loaded before this one's are used (two tiles in flight)
     wi = pid_k * BLOCK_W + offs_w
     rows = wi[:, None].to(tl.int64) * stride_w
@@ -146,46 +182,44 @@ def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K
         n_b = n_a
         if UNROLL_N == 2:
             n_b = tl.load(col_b + rows, mask=(nxt < KW)[:, None] & mask_b[None, :], other=0)
-        xp = x_row + wi * 8
-        x0 = tl.load(xp, mask=mask_w, other=0.0).to(tl.float32)
-        x1 = tl.load(xp + 1, mask=mask_w, other=0.0).to(tl.float32)
-        x2 = tl.load(xp + 2, mask=mask_w, other=0.0).to(tl.float32)
-        x3 = tl.load(xp + 3, mask=mask_w, other=0.0).to(tl.float32)
-        x4 = tl.load(xp + 4, mask=mask_w, other=0.0).to(tl.float32)
-        x5 = tl.load(xp + 5, mask=mask_w, other=0.0).to(tl.float32)
-        x6 = tl.load(xp + 6, mask=mask_w, other=0.0).to(tl.float32)
-        x7 = tl.load(xp + 7, mask=mask_w, other=0.0).to(tl.float32)
-        # the word's sum then starts at -(sum_i c_i x_i + z / 128 sum_i x_i) (c_i: the
-        # weights of the 1's of the values: 1, or 16 at the low position)
-        xs = -(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))
-        xc = xs
-        if FOUR_SHIFTS:
-            xc = xs - 15.0 * ((x0 + x1) + (x3 + x5))
         g = k0 // GROUP
-        s = tl.load(s_ptr + g * stride_s + offs_a, mask=mask_a, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * stride_z + offs_a, mask=mask_a, other=0).to(tl.float32)
-        init = xc[:, None] + xs[:, None] * (z * 0.0078125)[None, :]
-        if FOUR_SHIFTS:
-            part = _words_dot_4_shifts(init, w_a, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one)
-        else:
-            part = _words_dot(init, w_a, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one)
-        acc_a += part * s[None, :]
-        w_a = n_a
+        s_a = tl.load(s_ptr + g * stride_s + offs_a, mask=mask_a, other=0.0).to(tl.float32)
+        zc_a = tl.load(z_ptr + g * stride_z + offs_a, mask=mask_a, other=0).to(tl.float32)
+        zc_a *= 0.0078125
+        s_b = s_a
+        zc_b = zc_a
         if UNROLL_N == 2:
-            s = tl.load(s_ptr + g * stride_s + offs_b, mask=mask_b, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * stride_z + offs_b, mask=mask_b, other=0).to(tl.float32)
-            init = xc[:, None] + xs[:, None] * (z * 0.0078125)[None, :]
-            if FOUR_SHIFTS:
-                part = _words_dot_4_shifts(init, w_b, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one)
-            else:
-                part = _words_dot(init, w_b, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one)
-            acc_b += part * s[None, :]
-            w_b = n_b
-    _finish(tl.sum(acc_a, 0) * 128.0, offs_a, mask_a, m, out_ptr, ws_ptr, cnt_ptr, N,
+            s_b = tl.load(s_ptr + g * stride_s + offs_b, mask=mask_b, other=0.0).to(tl.float32)
+            zc_b = tl.load(z_ptr + g * stride_z + offs_b, mask=mask_b, other=0).to(tl.float32)
+            zc_b *= 0.0078125
+        x0, x1, x2, x3, x4, x5, x6, x7, xs, xc = _x_tile(x_row + wi * 8, mask_w, FOUR_SHIFTS)
+        acc_a0 += _tile_part(w_a, s_a, zc_a, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo,
+                             one, FOUR_SHIFTS)
+        if UNROLL_N == 2:
+            acc_b0 += _tile_part(w_b, s_b, zc_b, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7, hi,
+                                 lo, one, FOUR_SHIFTS)
+        if ROWS == 2:
+            x0, x1, x2, x3, x4, x5, x6, x7, xs, xc = _x_tile(x_row + stride_xm + wi * 8,
+                                                             mask_w & has1, FOUR_SHIFTS)
+            acc_a1 += _tile_part(w_a, s_a, zc_a, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7, hi,
+                                 lo, one, FOUR_SHIFTS)
+            if UNROLL_N == 2:
+                acc_b1 += _tile_part(w_b, s_b, zc_b, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7,
+                                     hi, lo, one, FOUR_SHIFTS)
+        w_a = n_a
+        w_b = n_b
+    _finish(tl.sum(acc_a0, 0) * 128.0, offs_a, mask_a, m0, out_ptr, ws_ptr, cnt_ptr, N,
             stride_om, SPLIT_K)
     if UNROLL_N == 2:
-        _finish(tl.sum(acc_b, 0) * 128.0, offs_b, mask_b, m, out_ptr, ws_ptr, cnt_ptr, N,
+        _finish(tl.sum(acc_b0, 0) * 128.0, offs_b, mask_b, m0, out_ptr, ws_ptr, cnt_ptr, N,
                 stride_om, SPLIT_K)
+    if ROWS == 2:
+        row1 = m0 + 1 < M + offs_a * 0  # (a tensor: the interpreter masks with tensors only)
+        _finish(tl.sum(acc_a1, 0) * 128.0, offs_a, mask_a & row1, m0 + 1, out_ptr, ws_ptr,
+                cnt_ptr, N, stride_om, SPLIT_K)
+        if UNROLL_N == 2:
+            _finish(tl.sum(acc_b1, 0) * 128.0, offs_b, mask_b & row1, m0 + 1, out_ptr, ws_ptr,
+                    cnt_ptr, N, stride_om, SPLIT_K)
 
 
 @triton.jit
@@ -320,14 +354,16 @@ class WoConfig:
     num_warps: int = 4
     REDUCE: int = 0  # CUDA-core FP8 kernel: reduce every tile (1) or once at the end (0)
     UNROLL_N: int = 1  # CUDA-core int4 kernel: column tiles per program (1 or 2)
+    ROWS: int = 1  # CUDA-core int4 kernel: rows of x per program (1 or 2)
 
 
 def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
     """The tiles used when none are given (chosen on one H200 at the Llama-3-8B layer sizes:
     benchmarks/bench_quant_gemm.py --sweep)."""
     if int4:
-        if m == 1:
-            return WoConfig(1, 32, min(group, 128), 8 if n > 16384 else 16, 2)
+        if m <= 4:
+            return WoConfig(1, 32, min(group, 128), 8 if n > 16384 else 16, 2, UNROLL_N=2,
+                            ROWS=1 if m == 1 else 2)
         if m <= 16:
             return WoConfig(16, 128, min(group, 128), 4, 4)
         return WoConfig(64, 128, min(group, 128), 1, 4)
@@ -385,8 +421,8 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
     cfg = config or default_config(m, n, k, int4, group)
     if int4 and (group % 8 or group % cfg.BLOCK_K or cfg.BLOCK_K % 8):
         raise ValueError(f"int4 groups of {group} with BLOCK_K {cfg.BLOCK_K}")
-    if cfg.UNROLL_N not in (1, 2):
-        raise ValueError(f"UNROLL_N {cfg.UNROLL_N}: 1 or 2")
+    if cfg.UNROLL_N not in (1, 2) or cfg.ROWS not in (1, 2):
+        raise ValueError(f"UNROLL_N {cfg.UNROLL_N}, ROWS {cfg.ROWS}: 1 or 2")
     split = cfg.SPLIT_K
     gemv = cfg.BLOCK_M == 1
     # the tensor-core kernel splits K into a zeroed float32 output; the CUDA-core one into
@@ -401,11 +437,11 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
     if gemv:
         ws, cnt = split_workspace(x.device, m * n) if split > 1 else (out, out)
         if int4:
-            _gemv_int4_kernel[(triton.cdiv(n, cfg.BLOCK_N * cfg.UNROLL_N), m, split)](
-                x, w, s, z, out, ws, cnt, n, k, *strides, *_NIBBLE_BITS, GROUP=group,
-                BLOCK_N=cfg.BLOCK_N,
-                BLOCK_K=cfg.BLOCK_K, SPLIT_K=split, UNROLL_N=cfg.UNROLL_N,
-                FOUR_SHIFTS=x.dtype != torch.float32, num_warps=cfg.num_warps)
+            grid = (triton.cdiv(m, cfg.ROWS), triton.cdiv(n, cfg.BLOCK_N * cfg.UNROLL_N), split)
+            _gemv_int4_kernel[grid](
+                x, w, s, z, out, ws, cnt, m, n, k, *strides, *_NIBBLE_BITS, GROUP=group,
+                BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_K=split, UNROLL_N=cfg.UNROLL_N,
+                ROWS=cfg.ROWS, FOUR_SHIFTS=x.dtype != torch.float32, num_warps=cfg.num_warps)
         else:
             _gemv_fp8_kernel[(triton.cdiv(n, cfg.BLOCK_N), m, split)](
                 x, w, s, out, ws, cnt, n, k, x.stride(0), w.stride(0), out.stride(0),

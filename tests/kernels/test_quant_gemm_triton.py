@@ -59,8 +59,10 @@ CONFIGS = [
     (2, WoConfig(1, 8, 128, 3, 4)),
     (1, WoConfig(1, 16, 64, 1, 4, REDUCE=1)),
     (2, WoConfig(1, 8, 128, 2, 4, REDUCE=1)),
-    (1, WoConfig(1, 16, 64, 4, 2, UNROLL_N=2)),  # (REDUCE is FP8's, UNROLL_N int4's)
+    (1, WoConfig(1, 16, 64, 4, 2, UNROLL_N=2)),  # (REDUCE is FP8's, UNROLL_N and ROWS int4's)
     (2, WoConfig(1, 32, 128, 1, 2, UNROLL_N=2)),
+    (3, WoConfig(1, 16, 64, 2, 2, UNROLL_N=2, ROWS=2)),  # M not a multiple of ROWS
+    (4, WoConfig(1, 32, 128, 1, 2, ROWS=2)),
     # tensor-core kernel: M not a multiple of BLOCK_M, split K
     (5, WoConfig(16, 32, 32, 1, 4)),
     (19, WoConfig(16, 16, 64, 2, 4)),
