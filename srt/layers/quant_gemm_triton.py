@@ -361,11 +361,15 @@ def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
     """The tiles used when none are given (chosen on one H200 at the Llama-3-8B layer sizes:
     benchmarks/bench_quant_gemm.py --sweep)."""
     if int4:
-        if m <= 4:
-            return WoConfig(1, 32, min(group, 128), 8 if n > 16384 else 16, 2, UNROLL_N=2,
-                            ROWS=1 if m == 1 else 2)
+        bk = min(group, 128)
+        split = 8 if n > 4096 and k <= 8192 else 16
+        big = n > 16384 or k > 8192
+        if m == 1:
+            return WoConfig(1, 32, bk, split, 2, UNROLL_N=2 if big else 1)
+        if m == 2:
+            return WoConfig(1, 32, bk, split, 4 if big else 2, ROWS=2)
         if m <= 16:
-            return WoConfig(16, 128, min(group, 128), 4, 4)
+            return WoConfig(16, 64, bk, 4, 4)
         return WoConfig(64, 128, min(group, 128), 1, 4)
     if m == 1:
         if n >= 16384:
