@@ -38,7 +38,8 @@ DEQUANT_MIN_ROWS = 256
 @triton.jit
 def _finish(acc, offs_n, mask_n, m, out_ptr, ws_ptr, cnt_ptr, N, stride_om,
             SPLIT_K: tl.constexpr):
-    """Write one program's sums for row m, columns offs_n (the CUDA-core kernels)."""
+    """Write one program's sums for rows m, columns offs_n (a row and a vector of columns, or
+    broadcastable [BLOCK_M, 1] rows and [1, BLOCK_N] columns); mask_n: the outputs to write."""
     out = out_ptr + m * stride_om + offs_n
     if SPLIT_K == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
@@ -54,7 +55,7 @@ def _finish(acc, offs_n, mask_n, m, out_ptr, ws_ptr, cnt_ptr, N, stride_om,
         total = tl.atomic_add(ws, 0.0, mask=last, sem="acq_rel")  # (the interpreter has no
         tl.store(out, total.to(out_ptr.dtype.element_ty), mask=last)  # float exchange)
         tl.store(ws, tl.zeros_like(total), mask=last)
-        tl.store(cnt, tl.zeros_like(offs_n), mask=last)
+        tl.store(cnt, last.to(tl.int32) * 0, mask=last)
 
 
 @triton.jit
@@ -252,8 +253,8 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride
 
 
 @triton.jit
-def _dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s,
-                stride_z, stride_om, INT4: tl.constexpr, GROUP: tl.constexpr,
+def _dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+                stride_w, stride_s, stride_z, stride_om, INT4: tl.constexpr, GROUP: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SPLIT_K: tl.constexpr, PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -300,12 +301,8 @@ def _dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     if not INT4:
         acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(out, acc, mask=mask)
+    _finish(acc, offs_n[None, :], mask_m[:, None] & mask_n[None, :], offs_m[:, None].to(tl.int64),
+            out_ptr, ws_ptr, cnt_ptr, N, stride_om, SPLIT_K)
 
 
 @triton.jit
@@ -429,17 +426,14 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
         raise ValueError(f"UNROLL_N {cfg.UNROLL_N}, ROWS {cfg.ROWS}: 1 or 2")
     split = cfg.SPLIT_K
     gemv = cfg.BLOCK_M == 1
-    # the tensor-core kernel splits K into a zeroed float32 output; the CUDA-core one into
-    # a self-resetting workspace (no extra kernels)
-    out = (torch.zeros((m, n), dtype=torch.float32, device=x.device) if split > 1 and not gemv
-           else torch.empty((m, n), dtype=x.dtype, device=x.device))
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return out.to(x.dtype)
+        return out
+    ws, cnt = split_workspace(x.device, m * n) if split > 1 else (out, out)
     zz = z if int4 else s  # unused by the FP8 kernel
     strides = (x.stride(0), w.stride(0), s.stride(0) if int4 else 1,
                zz.stride(0) if int4 else 1, out.stride(0))
     if gemv:
-        ws, cnt = split_workspace(x.device, m * n) if split > 1 else (out, out)
         if int4:
             grid = (triton.cdiv(m, cfg.ROWS), triton.cdiv(n, cfg.BLOCK_N * cfg.UNROLL_N), split)
             _gemv_int4_kernel[grid](
@@ -454,8 +448,8 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
         return out
     else:
         _dot_kernel[(triton.cdiv(n, cfg.BLOCK_N), triton.cdiv(m, cfg.BLOCK_M), split)](
-            x, w, s, zz, out, m, n, k, *strides, INT4=int4, GROUP=group, BLOCK_M=cfg.BLOCK_M,
-            BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_K=split,
+            x, w, s, zz, out, ws, cnt, m, n, k, *strides, INT4=int4, GROUP=group,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_K=split,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=cfg.num_warps, num_stages=3 if x.is_cuda else 1)
-    return out.to(x.dtype) if split > 1 else out
+    return out

@@ -111,8 +111,8 @@ def test_default_configs_and_paths() -> None:
 
 
 def test_split_k_leaves_its_workspace_zero() -> None:
-    """The CUDA-core kernel's split K sums in a shared workspace that the last program per
-    output resets: products one after another (both formats, two rows) stay exact."""
+    """Split K sums in a shared workspace that the last program per output resets: products
+    one after another (both formats, both kernels) stay exact."""
     a, kw = _awq(72, 384, 128, seed=5)
     wa = dequantize_awq(a.qweight, a.qzeros, a.scales, torch.float32).double()
     q, s = (t.to(DEV) for t in quantize_per_channel(torch.randn(72, 384)))
@@ -123,7 +123,12 @@ def test_split_k_leaves_its_workspace_zero() -> None:
         assert _rel(out, x.double() @ wa.t()) < TOL[torch.float32]
         out = wo_matmul(x, q, s, config=WoConfig(1, 16, 64, 3, 4))
         assert _rel(out, x.double() @ wf.t()) < TOL[torch.float32]
-    ws, cnt = split_workspace(x.device, 2 * 72)
+        x = _x(5, 384, torch.float32, seed)  # the tensor-core kernel
+        out = wo_matmul(x, kw.w, kw.scales, kw.zeros, WoConfig(16, 16, 64, 3, 4))
+        assert _rel(out, x.double() @ wa.t()) < TOL[torch.float32]
+        out = wo_matmul(x, q, s, config=WoConfig(16, 32, 64, 4, 4))
+        assert _rel(out, x.double() @ wf.t()) < TOL[torch.float32]
+    ws, cnt = split_workspace(x.device, 5 * 72)
     assert not ws.any() and not cnt.any()
 
 
