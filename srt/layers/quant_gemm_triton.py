@@ -2,7 +2,7 @@
 model dtype times a weight dequantized inside the kernel, so that the product reads each weight
 byte once and nothing else.
 
-Two weight formats (`INT4` selects):
+Two weight formats:
 - FP8 e4m3 `w [N, K]` (as nn.Linear holds it) with one scale per output row `s [N]`
   (srt/layers/fp8.py);
 - int4 `w [K / 8, N]` int32, eight consecutive input channels per word (channel 8 j + i in
@@ -11,16 +11,18 @@ Two weight formats (`INT4` selects):
   so that a program's loads of a word row are wide (srt/layers/awq.py's AwqKernelWeight
   repacks AutoAWQ's layout into this one on the GPU).
 
-Two kernels:
-- `_gemv_kernel`, one row of x per program, on the CUDA cores into a float32 accumulator of
-  the tile's shape, reduced once at the end (or, REDUCE, every tile: fewer registers, more
-  programs per SM). No integer-to-float conversions (an eighth of the floating-point rate):
-  int4 values become floats through their bits (see the kernel).
+Kernels:
+- `_gemv_fp8_kernel` and `_gemv_int4_kernel`, few rows of x per program on the CUDA cores into
+  a float32 accumulator of the tile's shape, reduced once at the end. No integer-to-float
+  conversions (an eighth of the floating-point rate): int4 values become floats through their
+  bits (see `_nibble`). The int4 one also shares loads of x between two column tiles
+  (UNROLL_N) and decoded values between two rows (ROWS).
 - `_dot_kernel`, BLOCK_M rows per program on the tensor cores: the tile is dequantized to x's
   dtype and multiplied by tl.dot.
-Both cut the output axis into BLOCK_N columns and optionally split K over SPLIT_K programs
-(float32 atomic adds), so that enough programs stream the weight at once. Both run in Triton's
-interpreter on the CPU (tests).
+All cut the output axis into BLOCK_N columns and optionally split K over SPLIT_K programs,
+which add into a float32 workspace that the last of them per output turns into the output and
+leaves zeroed (`_finish`: no extra kernels per product), so that enough programs stream the
+weight at once. All run in Triton's interpreter on the CPU (tests).
 """
 
 from __future__ import annotations
