@@ -49,12 +49,14 @@ def sweep_configs(m: int, int4: bool, gemv_only: bool = False) -> list[Any]:
     from srt.layers.quant_gemm_triton import WoConfig
 
     if int4:
-        gemv = [WoConfig(1, bn, bk, sp, w, UNROLL_N=2) for bn, bk, sp, w in itertools.product(
-            (32, 64), (64, 128), (8, 16), (2, 4))]
-        gemv += [WoConfig(1, 32, 128, sp, 2) for sp in (8, 16)]
+        gemv = [WoConfig(1, bn, bk, sp, w, UNROLL_N=2, PACKED=p)
+                for bn, bk, sp, w, p in itertools.product((32, 64), (64, 128), (8, 16), (2, 4),
+                                                          (0, 1))]
+        gemv += [WoConfig(1, 32, 128, sp, w, PACKED=p)
+                 for sp, w, p in itertools.product((8, 16), (2, 4), (0, 1))]
         if m > 1:
-            gemv += [WoConfig(1, 32, 128, sp, w, UNROLL_N=u, ROWS=2)
-                     for sp, w, u in itertools.product((8, 16), (2, 4), (1, 2))]
+            gemv += [WoConfig(1, 32, 128, sp, w, UNROLL_N=u, ROWS=2, PACKED=p)
+                     for sp, w, u, p in itertools.product((8, 16), (2, 4), (1, 2), (0, 1))]
     else:
         gemv = [WoConfig(1, bn, bk, 1, w) for bn, bk, w in itertools.product(
             (4, 8, 16, 32), (256, 512), (2, 4))]

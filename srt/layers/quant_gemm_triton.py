@@ -138,11 +138,88 @@ def _tile_part(words, s, zc, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one
     return part * s[None, :]
 
 
+# Packed half-precision arithmetic (GPU only: inline PTX, which the interpreter does not run).
+# A word's eight nibbles become four pairs of half-precision values with a masked OR each
+# (0x6400 | q is 1024 + q; a nibble four bits up gives 1024 + 16 q), the zero point comes off
+# both values of a pair at once (exact: q - z is -15..15), and each pair multiplies a pair of
+# activations in one instruction: about two instructions per weight value instead of four.
+_PAIR_ASM = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")  # float32 (lo, hi) -> half2 bits
+_WORD_ASM = tl.constexpr("""{
+.reg .b32 t, a, b, c, d, p;
+.reg .b16 lo, hi;
+.reg .f32 fl, fh;
+shr.u32 t, $1, 8;
+lop3.b32 a, $1, 0x000f000f, $8, 0xea;
+lop3.b32 b, $1, 0x00f000f0, $8, 0xea;
+lop3.b32 c, t, 0x000f000f, $8, 0xea;
+lop3.b32 d, t, 0x00f000f0, $8, 0xea;
+sub.f16x2 a, a, $6;
+sub.f16x2 c, c, $6;
+fma.rn.f16x2 b, b, $9, $7;
+fma.rn.f16x2 d, d, $9, $7;
+mul.f16x2 p, a, $2;
+fma.rn.f16x2 p, b, $3, p;
+fma.rn.f16x2 p, c, $4, p;
+fma.rn.f16x2 p, d, $5, p;
+mov.b32 {lo, hi}, p;
+cvt.f32.f16 fl, lo;
+cvt.f32.f16 fh, hi;
+add.f32 $0, fl, fh;
+}""")
+# 0x6400 x2: the bits of 1024.0 in both halves; 0x2c00 x2: 1/16 in both (runtime arguments,
+# so that they stay in registers)
+_PACKED_BITS = (0x64006400, 0x2C002C00)
+# activations are scaled by 2^-6 into half precision: a pair's four products stay below
+# 65504 while |x| < 65504 (|q - z| <= 15), and only |x| < 2^-8 reaches fp16's subnormals
+_PACKED_X_SCALE = tl.constexpr(1.0 / 64.0)
+
+
+@triton.jit
+def _half2(lo, hi):
+    """The bits (int32) of the half-precision pair (lo, hi), rounded from float32."""
+    return tl.inline_asm_elementwise(_PAIR_ASM, "=r,f,f", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _x_pairs(xp, mask):
+    """A tile's activations (xp: each word row's first channel) scaled by 2^-6 as the
+    half-precision pairs (x_i, x_i+4), i = 0..3, that _packed_part multiplies."""
+    sc = _PACKED_X_SCALE
+    x0 = tl.load(xp, mask=mask, other=0.0).to(tl.float32) * sc
+    x1 = tl.load(xp + 1, mask=mask, other=0.0).to(tl.float32) * sc
+    x2 = tl.load(xp + 2, mask=mask, other=0.0).to(tl.float32) * sc
+    x3 = tl.load(xp + 3, mask=mask, other=0.0).to(tl.float32) * sc
+    x4 = tl.load(xp + 4, mask=mask, other=0.0).to(tl.float32) * sc
+    x5 = tl.load(xp + 5, mask=mask, other=0.0).to(tl.float32) * sc
+    x6 = tl.load(xp + 6, mask=mask, other=0.0).to(tl.float32) * sc
+    x7 = tl.load(xp + 7, mask=mask, other=0.0).to(tl.float32) * sc
+    return _half2(x0, x4), _half2(x1, x5), _half2(x2, x6), _half2(x3, x7)
+
+
+@triton.jit
+def _zero_pairs(z):
+    """The zero points (float32, per column) as the pairs _packed_part subtracts: 1024 + z
+    from the values read at the low nibble position, -(64 + z) added to a sixteenth of those
+    read four bits up."""
+    return _half2(z + 1024.0, z + 1024.0), _half2(-64.0 - z, -64.0 - z)
+
+
+@triton.jit
+def _packed_part(words, x04, x15, x26, x37, zlo, zhi, magic, sixteenth):
+    """sum_i (q_i - z) x_i 2^-6 per word of the tile (float32), in packed half precision."""
+    return tl.inline_asm_elementwise(
+        _WORD_ASM, "=f,r,r,r,r,r,r,r,r,r",
+        [words, x04[:, None], x15[:, None], x26[:, None], x37[:, None], zlo[None, :],
+         zhi[None, :], magic, sixteenth], dtype=tl.float32, is_pure=True, pack=1)
+
+
 @triton.jit
 def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
-                      stride_w, stride_s, stride_z, stride_om, hi, lo, one, GROUP: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                      UNROLL_N: tl.constexpr, ROWS: tl.constexpr, FOUR_SHIFTS: tl.constexpr):
+                      stride_w, stride_s, stride_z, stride_om, hi, lo, one, magic, sixteenth,
+                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLIT_K: tl.constexpr, UNROLL_N: tl.constexpr, ROWS: tl.constexpr,
+                      FOUR_SHIFTS: tl.constexpr, PACKED: tl.constexpr):
     # One group per tile (BLOCK_K divides GROUP); word row j of a tile holds channels 8 j + i
     # (bits 4 i). With 1 + q / 128 from _nibble,
     #   sum_i (q_i - z) x_i / 128 = sum_i (1 + q_i / 128) x_i - (1 + z / 128) sum_i x_i,
@@ -187,41 +264,66 @@ def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
             n_b = tl.load(col_b + rows, mask=(nxt < KW)[:, None] & mask_b[None, :], other=0)
         g = k0 // GROUP
         s_a = tl.load(s_ptr + g * stride_s + offs_a, mask=mask_a, other=0.0).to(tl.float32)
-        zc_a = tl.load(z_ptr + g * stride_z + offs_a, mask=mask_a, other=0).to(tl.float32)
-        zc_a *= 0.0078125
+        z_a = tl.load(z_ptr + g * stride_z + offs_a, mask=mask_a, other=0).to(tl.float32)
         s_b = s_a
-        zc_b = zc_a
+        z_b = z_a
         if UNROLL_N == 2:
             s_b = tl.load(s_ptr + g * stride_s + offs_b, mask=mask_b, other=0.0).to(tl.float32)
-            zc_b = tl.load(z_ptr + g * stride_z + offs_b, mask=mask_b, other=0).to(tl.float32)
-            zc_b *= 0.0078125
-        x0, x1, x2, x3, x4, x5, x6, x7, xs, xc = _x_tile(x_row + wi * 8, mask_w, FOUR_SHIFTS)
-        acc_a0 += _tile_part(w_a, s_a, zc_a, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo,
-                             one, FOUR_SHIFTS)
-        if UNROLL_N == 2:
-            acc_b0 += _tile_part(w_b, s_b, zc_b, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7, hi,
-                                 lo, one, FOUR_SHIFTS)
-        if ROWS == 2:
-            x0, x1, x2, x3, x4, x5, x6, x7, xs, xc = _x_tile(x_row + stride_xm + wi * 8,
-                                                             mask_w & has1, FOUR_SHIFTS)
-            acc_a1 += _tile_part(w_a, s_a, zc_a, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7, hi,
+            z_b = tl.load(z_ptr + g * stride_z + offs_b, mask=mask_b, other=0).to(tl.float32)
+        if PACKED:
+            zlo_a, zhi_a = _zero_pairs(z_a)
+            zlo_b = zlo_a
+            zhi_b = zhi_a
+            if UNROLL_N == 2:
+                zlo_b, zhi_b = _zero_pairs(z_b)
+            x04, x15, x26, x37 = _x_pairs(x_row + wi * 8, mask_w)
+            acc_a0 += _packed_part(w_a, x04, x15, x26, x37, zlo_a, zhi_a, magic,
+                                   sixteenth) * s_a[None, :]
+            if UNROLL_N == 2:
+                acc_b0 += _packed_part(w_b, x04, x15, x26, x37, zlo_b, zhi_b, magic,
+                                       sixteenth) * s_b[None, :]
+            if ROWS == 2:
+                x04, x15, x26, x37 = _x_pairs(x_row + stride_xm + wi * 8, mask_w & has1)
+                acc_a1 += _packed_part(w_a, x04, x15, x26, x37, zlo_a, zhi_a, magic,
+                                       sixteenth) * s_a[None, :]
+                if UNROLL_N == 2:
+                    acc_b1 += _packed_part(w_b, x04, x15, x26, x37, zlo_b, zhi_b, magic,
+                                           sixteenth) * s_b[None, :]
+        else:
+            zc_a = z_a * 0.0078125
+            zc_b = z_b * 0.0078125
+            x0, x1, x2, x3, x4, x5, x6, x7, xs, xc = _x_tile(x_row + wi * 8, mask_w,
+                                                             FOUR_SHIFTS)
+            acc_a0 += _tile_part(w_a, s_a, zc_a, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7, hi,
                                  lo, one, FOUR_SHIFTS)
             if UNROLL_N == 2:
-                acc_b1 += _tile_part(w_b, s_b, zc_b, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7,
+                acc_b0 += _tile_part(w_b, s_b, zc_b, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7,
                                      hi, lo, one, FOUR_SHIFTS)
+            if ROWS == 2:
+                x0, x1, x2, x3, x4, x5, x6, x7, xs, xc = _x_tile(x_row + stride_xm + wi * 8,
+                                                                 mask_w & has1, FOUR_SHIFTS)
+                acc_a1 += _tile_part(w_a, s_a, zc_a, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7,
+                                     hi, lo, one, FOUR_SHIFTS)
+                if UNROLL_N == 2:
+                    acc_b1 += _tile_part(w_b, s_b, zc_b, xs, xc, x0, x1, x2, x3, x4, x5, x6,
+                                         x7, hi, lo, one, FOUR_SHIFTS)
         w_a = n_a
         w_b = n_b
-    _finish(tl.sum(acc_a0, 0) * 128.0, offs_a, mask_a, m0, out_ptr, ws_ptr, cnt_ptr, N,
+    # the sums' unit: 2^-7 (the bits of 1.0) or 2^-6 (the packed activations' scale)
+    unit = 128.0
+    if PACKED:
+        unit = 64.0
+    _finish(tl.sum(acc_a0, 0) * unit, offs_a, mask_a, m0, out_ptr, ws_ptr, cnt_ptr, N,
             stride_om, SPLIT_K)
     if UNROLL_N == 2:
-        _finish(tl.sum(acc_b0, 0) * 128.0, offs_b, mask_b, m0, out_ptr, ws_ptr, cnt_ptr, N,
+        _finish(tl.sum(acc_b0, 0) * unit, offs_b, mask_b, m0, out_ptr, ws_ptr, cnt_ptr, N,
                 stride_om, SPLIT_K)
     if ROWS == 2:
         row1 = m0 + 1 < M + offs_a * 0  # (a tensor: the interpreter masks with tensors only)
-        _finish(tl.sum(acc_a1, 0) * 128.0, offs_a, mask_a & row1, m0 + 1, out_ptr, ws_ptr,
+        _finish(tl.sum(acc_a1, 0) * unit, offs_a, mask_a & row1, m0 + 1, out_ptr, ws_ptr,
                 cnt_ptr, N, stride_om, SPLIT_K)
         if UNROLL_N == 2:
-            _finish(tl.sum(acc_b1, 0) * 128.0, offs_b, mask_b & row1, m0 + 1, out_ptr, ws_ptr,
+            _finish(tl.sum(acc_b1, 0) * unit, offs_b, mask_b & row1, m0 + 1, out_ptr, ws_ptr,
                     cnt_ptr, N, stride_om, SPLIT_K)
 
 
@@ -354,6 +456,9 @@ class WoConfig:
     REDUCE: int = 0  # CUDA-core FP8 kernel: reduce every tile (1) or once at the end (0)
     UNROLL_N: int = 1  # CUDA-core int4 kernel: column tiles per program (1 or 2)
     ROWS: int = 1  # CUDA-core int4 kernel: rows of x per program (1 or 2)
+    # CUDA-core int4 kernel: packed half-precision arithmetic (inline PTX) where it can run:
+    # half-precision activations on a GPU (float32 and the interpreter take the float path)
+    PACKED: int = 0
 
 
 def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
@@ -364,9 +469,9 @@ def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
         split = 8 if n > 4096 and k <= 8192 else 16
         big = n > 16384 or k > 8192
         if m == 1:
-            return WoConfig(1, 32, bk, split, 2, UNROLL_N=2 if big else 1)
+            return WoConfig(1, 32, bk, split, 2, UNROLL_N=2 if big else 1, PACKED=1)
         if m == 2:
-            return WoConfig(1, 32, bk, split, 4 if big else 2, ROWS=2)
+            return WoConfig(1, 32, bk, split, 4 if big else 2, ROWS=2, PACKED=1)
         if m <= 16:
             return WoConfig(16, 64, bk, 4, 4)
         return WoConfig(64, 128, min(group, 128), 1, 4)
@@ -439,9 +544,11 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
         if int4:
             grid = (triton.cdiv(m, cfg.ROWS), triton.cdiv(n, cfg.BLOCK_N * cfg.UNROLL_N), split)
             _gemv_int4_kernel[grid](
-                x, w, s, z, out, ws, cnt, m, n, k, *strides, *_NIBBLE_BITS, GROUP=group,
-                BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_K=split, UNROLL_N=cfg.UNROLL_N,
-                ROWS=cfg.ROWS, FOUR_SHIFTS=x.dtype != torch.float32, num_warps=cfg.num_warps)
+                x, w, s, z, out, ws, cnt, m, n, k, *strides, *_NIBBLE_BITS, *_PACKED_BITS,
+                GROUP=group, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_K=split,
+                UNROLL_N=cfg.UNROLL_N, ROWS=cfg.ROWS, FOUR_SHIFTS=x.dtype != torch.float32,
+                PACKED=bool(cfg.PACKED) and x.is_cuda and x.dtype != torch.float32,
+                num_warps=cfg.num_warps)
         else:
             _gemv_fp8_kernel[(triton.cdiv(n, cfg.BLOCK_N), m, split)](
                 x, w, s, out, ws, cnt, n, k, x.stride(0), w.stride(0), out.stride(0),

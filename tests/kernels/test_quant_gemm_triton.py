@@ -7,6 +7,7 @@ for split-K) and every element is compared with the reference and checked for Na
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -63,6 +64,9 @@ CONFIGS = [
     (2, WoConfig(1, 32, 128, 1, 2, UNROLL_N=2)),
     (3, WoConfig(1, 16, 64, 2, 2, UNROLL_N=2, ROWS=2)),  # M not a multiple of ROWS
     (4, WoConfig(1, 32, 128, 1, 2, ROWS=2)),
+    # packed half-precision arithmetic: on a GPU with half-precision x (else the float path)
+    (1, WoConfig(1, 32, 64, 3, 2, PACKED=1)),
+    (3, WoConfig(1, 16, 64, 2, 2, UNROLL_N=2, ROWS=2, PACKED=1)),
     # tensor-core kernel: M not a multiple of BLOCK_M, split K
     (5, WoConfig(16, 32, 32, 1, 4)),
     (19, WoConfig(16, 16, 64, 2, 4)),
@@ -163,3 +167,26 @@ def test_llama3_8b_sizes_gpu(layer: tuple[int, int]) -> None:
             x = _x(m, k, dtype, seed=m)
             assert _rel(wo_matmul(x, kw.w, kw.scales, kw.zeros), x.double() @ wa.t()) < TOL[dtype]
             assert _rel(wo_matmul(x, q, s), x.double() @ wf.t()) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_packed_int4_keeps_large_and_small_activations_gpu(dtype: torch.dtype) -> None:
+    """The packed path scales x by 2^-6 into half precision: activations of 10^4 neither
+    overflow nor lose precision, those of 10^-3 are not lost to fp16's subnormals; every
+    tiling equals the float path within the dtype's tolerance."""
+    a, kw = _awq(4096 + 96, 4096, 128, seed=11)
+    w = dequantize_awq(a.qweight, a.qzeros, a.scales, dtype).double()
+    tiles = [WoConfig(1, 32, 128, 8, 2), WoConfig(1, 32, 128, 16, 4, UNROLL_N=2),
+             WoConfig(1, 64, 64, 8, 4, UNROLL_N=2), WoConfig(1, 32, 128, 8, 2, ROWS=2),
+             WoConfig(1, 32, 128, 8, 4, UNROLL_N=2, ROWS=2)]
+    for magnitude in (1e-3, 1.0, 1e4):
+        for m in (1, 2, 3):
+            x = (_x(m, 4096, torch.float32, seed=m) * magnitude).to(dtype)
+            x[0, :7] = torch.tensor([magnitude * 3, -magnitude * 3, 0, 0, 0, 0, 0])
+            ref = x.double() @ w.t()
+            for cfg in tiles:
+                packed = wo_matmul(x, kw.w, kw.scales, kw.zeros, replace(cfg, PACKED=1))
+                assert torch.isfinite(packed).all(), (magnitude, m, cfg)
+                assert _rel(packed, ref) < TOL[dtype], (magnitude, m, cfg)
