@@ -54,6 +54,9 @@ def sweep_configs(m: int, int4: bool, gemv_only: bool = False) -> list[Any]:
                                                           (0, 1))]
         gemv += [WoConfig(1, 32, 128, sp, w, PACKED=p)
                  for sp, w, p in itertools.product((8, 16), (2, 4), (0, 1))]
+        gemv += [WoConfig(1, bn, bk, sp, w, PACKED=1) for bn, bk, sp, w in (
+            (16, 128, 8, 1), (32, 128, 8, 1), (32, 128, 4, 2), (64, 128, 8, 2), (64, 128, 16, 2),
+            (32, 64, 8, 2), (32, 64, 16, 2), (16, 128, 16, 1), (32, 128, 32, 2))]
         if m > 1:
             gemv += [WoConfig(1, 32, 128, sp, w, UNROLL_N=u, ROWS=2, PACKED=p)
                      for sp, w, u, p in itertools.product((8, 16), (2, 4), (1, 2), (0, 1))]

@@ -48,7 +48,7 @@ case $PART in
       timeout 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider "$t" 2>&1 | tail -25 \
         | tee -a "$OUT/tests.log"
     done
-    SRT=quantgemm QG_ARGS="--rows 1 2 4 --sweep --sweep-rows 1 2 4 --formats awq" peer
+    SRT=quantgemm QG_ARGS="${QG_AWQ:---rows 1 2 4 --sweep --sweep-rows 1 2 4 --formats awq}" peer
     for cfg in "bf16:" "awq:--awq-group-size 128"; do
       TAG=${cfg%%:*} SRT_ARGS="${cfg#*:}" SRT="latency:llama3-8b" peer
     done ;;

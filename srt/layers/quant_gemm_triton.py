@@ -147,7 +147,6 @@ _PAIR_ASM = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")  # float32 (lo, hi) -> 
 _WORD_ASM = tl.constexpr("""{
 .reg .b32 t, a, b, c, d, p;
 .reg .b16 lo, hi;
-.reg .f32 fl, fh;
 shr.u32 t, $1, 8;
 lop3.b32 a, $1, 0x000f000f, $8, 0xea;
 lop3.b32 b, $1, 0x00f000f0, $8, 0xea;
@@ -162,9 +161,8 @@ fma.rn.f16x2 p, b, $3, p;
 fma.rn.f16x2 p, c, $4, p;
 fma.rn.f16x2 p, d, $5, p;
 mov.b32 {lo, hi}, p;
-cvt.f32.f16 fl, lo;
-cvt.f32.f16 fh, hi;
-add.f32 $0, fl, fh;
+add.rn.f16 lo, lo, hi;
+cvt.f32.f16 $0, lo;
 }""")
 # 0x6400 x2: the bits of 1024.0 in both halves; 0x2c00 x2: 1/16 in both (runtime arguments,
 # so that they stay in registers)
@@ -466,12 +464,14 @@ def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
     benchmarks/bench_quant_gemm.py --sweep)."""
     if int4:
         bk = min(group, 128)
-        split = 8 if n > 4096 and k <= 8192 else 16
-        big = n > 16384 or k > 8192
+        split = 16 if k > 8192 else 8
         if m == 1:
-            return WoConfig(1, 32, bk, split, 2, UNROLL_N=2 if big else 1, PACKED=1)
+            return WoConfig(1, 32, bk, split, 2, PACKED=1)
         if m == 2:
-            return WoConfig(1, 32, bk, split, 4 if big else 2, ROWS=2, PACKED=1)
+            return WoConfig(1, 32, bk, split, 2, UNROLL_N=2 if k > 8192 else 1, ROWS=2,
+                            PACKED=1)
+        if m <= 4:
+            return WoConfig(1, 32, bk, 8, 2, UNROLL_N=2, ROWS=2, PACKED=1)
         if m <= 16:
             return WoConfig(16, 64, bk, 4, 4)
         return WoConfig(64, 128, min(group, 128), 1, 4)
