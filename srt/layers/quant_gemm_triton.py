@@ -16,13 +16,15 @@ Kernels:
   a float32 accumulator of the tile's shape, reduced once at the end. No integer-to-float
   conversions (an eighth of the floating-point rate): int4 values become floats through their
   bits (see `_nibble`). The int4 one also shares loads of x between two column tiles
-  (UNROLL_N) and decoded values between two rows (ROWS).
+  (UNROLL_N) and decoded values between two rows (ROWS), and on a GPU with half-precision x
+  computes in packed half precision (PACKED: inline PTX, two values per instruction; see
+  `_WORD_ASM`), which the interpreter cannot run.
 - `_dot_kernel`, BLOCK_M rows per program on the tensor cores: the tile is dequantized to x's
   dtype and multiplied by tl.dot.
 All cut the output axis into BLOCK_N columns and optionally split K over SPLIT_K programs,
 which add into a float32 workspace that the last of them per output turns into the output and
 leaves zeroed (`_finish`: no extra kernels per product), so that enough programs stream the
-weight at once. All run in Triton's interpreter on the CPU (tests).
+weight at once. All but the packed path run in Triton's interpreter on the CPU (tests).
 """
 
 from __future__ import annotations
