@@ -157,15 +157,18 @@ def check_tp_size(path: str, tp_size: int) -> None:
 
 def check_quantization(path: str, asked: str | None = None) -> None:
     """Refuse a pre-quantized checkpoint srt cannot load, naming its method (from config.json
-    alone, before any process starts; srt/layers/quant_config.py); and `--quantization awq`
-    for a checkpoint that is not AWQ (srt quantizes to int4 only offline)."""
+    alone, before any process starts; srt/layers/quant_config.py); and `--quantization awq` /
+    `gptq` for a checkpoint that is not one (srt quantizes to int4 only offline)."""
     from srt.layers.quant_config import checkpoint_quant
 
     ckpt = checkpoint_quant(path)
-    if asked == "fp8" and ckpt is not None and ckpt.method == "awq":
-        raise ValueError("--quantization fp8 on an AWQ checkpoint: its int4 weights load as "
-                         "they are; drop --quantization (or pass --quantization awq)")
-    if asked == "awq" and (ckpt is None or ckpt.method != "awq"):
-        raise ValueError("--quantization awq needs an AWQ checkpoint (quantization_config with "
-                         f"quant_method 'awq'); {path} is "
+    if asked == "fp8" and ckpt is not None and ckpt.is_int4:
+        name = ckpt.method.upper()
+        raise ValueError(f"--quantization fp8 on an {name} checkpoint: its int4 weights load "
+                         f"as they are; drop --quantization (or pass --quantization "
+                         f"{ckpt.method})")
+    if asked in ("awq", "gptq") and (ckpt is None or ckpt.method != asked):
+        name = asked.upper()
+        raise ValueError(f"--quantization {asked} needs an {name} checkpoint "
+                         f"(quantization_config with quant_method '{asked}'); {path} is "
                          f"{'not quantized' if ckpt is None else 'quantized with ' + ckpt.method}")

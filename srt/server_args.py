@@ -48,9 +48,9 @@ class ServerArgs:
         None, "Weight quantization. fp8: the linear layers and experts of the language model "
         "quantized to FP8 (e4m3) at load, one scale per output channel; linear layers scale "
         "activations per token (GPU: torch._scaled_mm on Hopper or newer; CPU: dequantized per "
-        "product), experts are weight-only. awq: the checkpoint must be AWQ int4 (detected "
-        "from its quantization_config anyway).",
-        ("fp8", "awq"))
+        "product), experts are weight-only. awq / gptq: the checkpoint must be AWQ / GPTQ "
+        "int4 (detected from its quantization_config anyway).",
+        ("fp8", "awq", "gptq"))
     kv_cache_dtype: str = _f(
         "auto", "Storage dtype of the KV cache. auto: the model dtype. fp8_e4m3 (or fp8) / "
         "fp8_e5m2: one byte per value (the pool holds twice the tokens of bf16), a per-tensor "

@@ -107,7 +107,8 @@ class AwqWeight:
 class AwqKernelWeight:
     """The same weight in the GPU kernels' layout (srt/layers/quant_gemm_triton.py): `w` int32
     [K/8, N] with eight consecutive input channels per word (IN_ORDER), `scales` [K/G, N] and
-    `zeros` uint8 [K/G, N], so that output columns are contiguous, as the kernels read them."""
+    `zeros` uint8 [K/G, N], so that output columns are contiguous, as the kernels read them.
+    GPTQ checkpoints (srt/layers/gptq.py) load into it directly: their `qweight` is this `w`."""
 
     w: torch.Tensor
     scales: torch.Tensor
@@ -154,12 +155,18 @@ def to_kernel_layout(model: nn.Module) -> int:
             kw = AwqKernelWeight.from_checkpoint(module.quant)
             for name in ("qweight", "qzeros", "scales"):
                 delattr(module, name)
-            module.awq_w = nn.Parameter(kw.w, requires_grad=False)
-            module.awq_scales = nn.Parameter(kw.scales, requires_grad=False)
-            module.awq_zeros = nn.Parameter(kw.zeros, requires_grad=False)
-            module.quant = kw
+            install_kernel_weight(module, kw)
             count += 1
     return count
+
+
+def install_kernel_weight(module: nn.Module, kw: AwqKernelWeight) -> None:
+    """Make `kw` the layer's weight: its tensors become the parameters `awq_w`, `awq_scales`,
+    `awq_zeros` (so that the model's parameters count them) and its products run on it."""
+    module.awq_w = nn.Parameter(kw.w, requires_grad=False)
+    module.awq_scales = nn.Parameter(kw.scales, requires_grad=False)
+    module.awq_zeros = nn.Parameter(kw.zeros, requires_grad=False)
+    module.quant = kw
 
 
 def set_awq(module: nn.Module, group: int) -> None:

@@ -19,8 +19,16 @@ Also loaded: AWQ int4 in AutoAWQ's GEMM layout (`{"quant_method": "awq", "bits":
 "group_size": 128, "zero_point": true, "version": "gemm"}`; srt/layers/awq.py), its
 `modules_to_not_convert` left in the model dtype; not for mixture-of-experts models.
 
+Also loaded: GPTQ int4 (`{"quant_method": "gptq", "bits": 4, "group_size": 128 | -1,
+"desc_act": ..., "sym": ..., "checkpoint_format": "gptq" | "gptq_v2"}`, as AutoGPTQ, GPTQModel
+and optimum write it; srt/layers/gptq.py), symmetric or not; act-order checkpoints load when
+their g_idx keeps groups of consecutive channels (checked per layer at load);
+`modules_in_block_to_quantize` leaves the other layers in the model dtype; not for
+mixture-of-experts models.
+
 Refused with the reason: block-wise FP8 scales (`weight_block_size`), other bit widths, AWQ's
-GEMV / Marlin layouts or symmetric (no zero point) variant, GPTQ and other methods.
+GEMV / Marlin layouts or symmetric (no zero point) variant, GPTQ's Marlin / BitBLAS formats,
+per-module overrides (`dynamic`) or a quantized `lm_head`, and other methods.
 """
 
 from __future__ import annotations
@@ -35,9 +43,15 @@ from typing import Any
 class CheckpointQuant:
     """A loadable FP8 checkpoint: its method and the module names it leaves unquantized."""
 
-    method: str  # "fp8", "compressed-tensors" or "awq"
+    method: str  # "fp8", "compressed-tensors", "awq" or "gptq"
     ignore: tuple[str, ...] = ()
-    group_size: int = 0  # AWQ: input channels per scale
+    group_size: int = 0  # AWQ / GPTQ: input channels per scale (GPTQ -1: all)
+    only: tuple[str, ...] = ()  # GPTQ: when given, the modules quantized (the rest ignored)
+    gptq_v2: bool = False  # GPTQ: zero points stored as they are (v1 stores z - 1)
+
+    @property
+    def is_int4(self) -> bool:
+        return self.method in ("awq", "gptq")
 
     @property
     def is_fp8(self) -> bool:
@@ -63,6 +77,8 @@ class CheckpointQuant:
         them."""
         import re
 
+        if self.only and not any(name == o or name.endswith("." + o) for o in self.only):
+            return True
         for pat in self.ignore:
             if pat.startswith("re:"):
                 if re.match(pat[3:], name):
@@ -85,11 +101,29 @@ def _read_config(path: str) -> dict[str, Any]:
 
 
 def read_quantization_config(path: str) -> dict[str, Any] | None:
+    """config.json's quantization_config, else an AutoGPTQ-era `quantize_config.json` beside
+    it (those name no quant_method: GPTQ), else None."""
     cfg = _read_config(path)
     for c in (cfg, cfg.get("text_config") or {}):
         if c.get("quantization_config"):
             return dict(c["quantization_config"])
+    side = os.path.join(path, "quantize_config.json")
+    if os.path.exists(side):
+        with open(side) as f:
+            qc = dict(json.load(f))
+        qc.setdefault("quant_method", "gptq")
+        return qc
     return None
+
+
+def _refuse_int4(method: str, bad: str | None, cfg: dict[str, Any], where: str) -> None:
+    """ValueError naming what an int4 checkpoint has that srt cannot load (`bad`, or experts)."""
+    if bad is None and (cfg.get("num_local_experts")
+                        or (cfg.get("text_config") or {}).get("num_local_experts")):
+        bad = f"mixture-of-experts layers (srt has no {method.upper()} expert kernel)"
+    if bad:
+        raise ValueError(f"the checkpoint is quantized with quant_method '{method}' with {bad} "
+                         f"({where}), which srt cannot load")
 
 
 def _awq(qc: dict[str, Any], cfg: dict[str, Any], where: str) -> CheckpointQuant:
@@ -104,13 +138,29 @@ def _awq(qc: dict[str, Any], cfg: dict[str, Any], where: str) -> CheckpointQuant
         bad = "no zero point (the asymmetric, zero-point variant is loaded)"
     elif not isinstance(group, int) or group < 16 or group & (group - 1):
         bad = f"group size {group} (a power of two of at least 16 is loaded)"
-    elif (cfg.get("num_local_experts") or (cfg.get("text_config") or {})
-            .get("num_local_experts")):
-        bad = "mixture-of-experts layers (srt has no AWQ expert kernel)"
-    if bad:
-        raise ValueError(f"the checkpoint is quantized with quant_method 'awq' with {bad} "
-                         f"({where}), which srt cannot load")
+    _refuse_int4("awq", bad, cfg, where)
     return CheckpointQuant("awq", tuple(qc.get("modules_to_not_convert") or ()), group)
+
+
+def _gptq(qc: dict[str, Any], cfg: dict[str, Any], where: str) -> CheckpointQuant:
+    bits, group = qc.get("bits"), qc.get("group_size")
+    fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
+    bad = None
+    if bits != 4:
+        bad = f"{bits} bits (4 are loaded)"
+    elif fmt not in ("gptq", "gptq_v2"):
+        bad = f"checkpoint_format {fmt!r} ('gptq' and 'gptq_v2' are loaded)"
+    elif not isinstance(group, int) or (group != -1 and (group < 16 or group & (group - 1))):
+        bad = f"group size {group} (-1 or a power of two of at least 16 is loaded)"
+    elif qc.get("dynamic"):
+        bad = "per-module overrides ('dynamic')"
+    elif qc.get("lm_head"):
+        bad = "a quantized lm_head"
+    _refuse_int4("gptq", bad, cfg, where)
+    only: list[str] = []
+    for entry in qc.get("modules_in_block_to_quantize") or ():
+        only.extend([entry] if isinstance(entry, str) else entry)
+    return CheckpointQuant("gptq", (), group, tuple(only), fmt == "gptq_v2")
 
 
 def checkpoint_quant(path: str) -> CheckpointQuant | None:
@@ -147,7 +197,9 @@ def checkpoint_quant(path: str) -> CheckpointQuant | None:
         return CheckpointQuant("compressed-tensors", tuple(qc.get("ignore") or ()))
     if method == "awq":
         return _awq(qc, _read_config(path), where)
+    if method == "gptq":
+        return _gptq(qc, _read_config(path), where)
     raise ValueError(f"the checkpoint is quantized with quant_method {method!r} ({where}), "
                      "which srt cannot load (FP8 checkpoints, 'fp8' or 'compressed-tensors', "
-                     "and AWQ int4 in the 'gemm' layout are loaded; --quantization fp8 "
-                     "quantizes an unquantized checkpoint at load)")
+                     "AWQ int4 in the 'gemm' layout and GPTQ int4 are loaded; --quantization "
+                     "fp8 quantizes an unquantized checkpoint at load)")

@@ -201,6 +201,14 @@ class ModelRunner:
             self.quantization = f"fp8 ({ckpt.method} checkpoint)"
             logger.info("FP8 checkpoint (%s): %d layers load in FP8 e4m3",
                         ckpt.method, n)
+        elif ckpt is not None and ckpt.method == "gptq":
+            from srt.layers.gptq import prepare_gptq_checkpoint
+
+            n = prepare_gptq_checkpoint(model, ckpt.quantized, ckpt.group_size)
+            group = "per channel" if ckpt.group_size == -1 else f"group {ckpt.group_size}"
+            self.quantization = f"gptq (int4, {group})"
+            logger.info("GPTQ checkpoint (%s): %d linear layers load in int4, %s",
+                        "gptq_v2" if ckpt.gptq_v2 else "gptq", n, group)
         elif ckpt is not None:
             from srt.layers.awq import prepare_awq_checkpoint
 
@@ -212,6 +220,10 @@ class ModelRunner:
             init_dummy_weights(model, seed=self.args.random_seed or 0)
         else:
             model.load_weights(iterate_safetensors(self.config.path))
+        if ckpt is not None and ckpt.method == "gptq":
+            from srt.layers.gptq import finish_gptq
+
+            finish_gptq(model, ckpt.gptq_v2)  # into the int4 kernels' weight (AWQ's)
         if self.args.quantization == "fp8" and self.quantization is None:
             from srt.layers.fp8 import quantize_model_fp8
 

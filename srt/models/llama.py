@@ -228,6 +228,11 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name.endswith(".input_scale"):
                 continue  # a static activation scale: activations are scaled per token
+            if name.endswith(".g_idx") and getattr(self, "gptq_group", None) is not None:
+                from srt.layers.gptq import check_g_idx
+
+                check_g_idx(name, tensor[:], self.gptq_group)  # consecutive groups only
+                continue
             if name.endswith((".k_scale", ".v_scale", ".kv_scale")):
                 self._load_kv_scale(name, tensor)
                 continue

@@ -1,10 +1,11 @@
 """Quantized weights through the real server on a small random Llama in float32 on the CPU:
-`--quantization fp8`, FP8 checkpoints (AutoFP8 and compressed-tensors layouts) and AWQ int4
-checkpoints (AutoAWQ's GEMM layout), each written by our own quantizer. Greedy ids and prompt /
+`--quantization fp8`, FP8 checkpoints (AutoFP8 and compressed-tensors layouts), AWQ int4
+checkpoints (AutoAWQ's GEMM layout) and GPTQ int4 checkpoints (GPTQModel's layout, v1 and v2),
+each written by our own quantizer. Greedy ids and prompt /
 output logprobs equal those of transformers holding the same dequantized weights (for
 `--quantization fp8` each rank's shard quantized with its own per-channel scales), at
---tp-size 1 and 2 (gloo). (transformers loads neither AWQ nor these FP8 layouts on the CPU
-without extra packages, so the dequantized model is the reference.) A checkpoint quantized in
+--tp-size 1 and 2 (gloo). (transformers loads neither AWQ, GPTQ nor these FP8 layouts on the
+CPU without extra packages, so the dequantized model is the reference.) A checkpoint quantized in
 a format srt cannot load is refused at start-up, naming its method."""
 
 from __future__ import annotations
@@ -310,6 +311,72 @@ def test_awq_with_random_weights(llama: str, tmp_path: Any) -> None:
         srv.stop()
 
 
+def write_gptq_checkpoint(src: str, dst: str, group: int, sym: bool, v2: bool,
+                          act_order: bool = False) -> None:
+    """The random Llama at `src` quantized by our own int4 quantizer into GPTQ's layout
+    (`qweight`, `qzeros`, `scales` float16, `g_idx` per decoder linear layer), with the
+    `quantization_config` GPTQModel writes. act_order: each layer's g_idx a permutation of
+    its groups, as desc_act leaves it (srt refuses those)."""
+    from srt.layers.gptq import quantize_gptq
+
+    def quantize(base: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        tensors = list(quantize_gptq(t, group, sym, v2))
+        if act_order:
+            perm = torch.randperm(t.shape[1], generator=torch.Generator().manual_seed(0))
+            tensors[3] = tensors[3][perm].contiguous()
+        names = ("qweight", "qzeros", "scales", "g_idx")
+        return {f"{base}.{n}": x for n, x in zip(names, tensors)}
+
+    fmt = "gptq_v2" if v2 else "gptq"
+    rewrite_checkpoint(src, dst, quantize, {
+        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
+        "sym": sym, "lm_head": False, "format": fmt, "checkpoint_format": fmt,
+        "pack_dtype": "int32", "meta": {"damp_percent": 0.05, "true_sequential": True,
+                                        "static_groups": False}})
+
+
+def gptq_dequantized_reference(ckpt: str, v2: bool) -> Reference:
+    """transformers with every GPTQ layer of `ckpt` replaced by its dequantized weight."""
+    from safetensors.torch import load_file
+
+    from srt.layers.gptq import dequantize_gptq
+
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    state = {}
+    for name, t in tensors.items():
+        if name.endswith((".qzeros", ".scales", ".g_idx")):
+            continue
+        if name.endswith(".qweight"):
+            base = name[: -len(".qweight")]
+            state[base + ".weight"] = dequantize_gptq(
+                t, tensors[base + ".qzeros"], tensors[base + ".scales"], tensors[base + ".g_idx"],
+                torch.float32, v2)
+        else:
+            state[name] = t.float()
+    return plain_reference(ckpt, state)
+
+
+@pytest.mark.parametrize("group,sym,v2,tp", [(128, True, False, 1), (32, False, True, 2)])
+def test_gptq_checkpoint_equals_its_dequantized_weights(llama: str, tmp_path: Any, group: int,
+                                                        sym: bool, v2: bool, tp: int) -> None:
+    """GPTQ v1 symmetric (GPTQModel's default) at TP 1, v2 asymmetric at TP 2."""
+    ckpt = str(tmp_path / f"gptq-g{group}")
+    write_gptq_checkpoint(llama, ckpt, group, sym, v2)
+    ref = gptq_dequantized_reference(ckpt, v2)
+    _serve_and_check(ckpt, ref, f"gptq (int4, group {group})",
+                     f"GPTQ checkpoint ({'gptq_v2' if v2 else 'gptq'}): 8 linear layers load "
+                     f"in int4, group {group}",
+                     "--tp-size", str(tp), *(["--quantization", "gptq"] if tp == 1 else []))
+
+
+def test_gptq_act_order_is_refused_at_load(llama: str, tmp_path: Any) -> None:
+    ckpt = str(tmp_path / "gptq-act-order")
+    write_gptq_checkpoint(llama, ckpt, 64, True, False, act_order=True)
+    proc = start_fails(ckpt)
+    assert proc.returncode != 0
+    assert "by activation (desc_act / act-order), which srt cannot load" in proc.stderr
+
+
 def _with_quant_config(src: str, dst: str, qc: dict[str, Any]) -> str:
     shutil.copytree(src, dst)
     with open(os.path.join(dst, "config.json")) as f:
@@ -321,7 +388,8 @@ def _with_quant_config(src: str, dst: str, qc: dict[str, Any]) -> str:
 
 
 @pytest.mark.parametrize("qc,why", [
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method 'gptq'"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "quant_method 'gptq' with 3 bits"),
+    ({"quant_method": "gguf"}, "quant_method 'gguf'"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
      "quant_method 'awq' with version 'gemv'"),
     ({"quant_method": "awq", "bits": 8, "group_size": 128}, "quant_method 'awq' with 8 bits"),
@@ -334,7 +402,8 @@ def test_a_checkpoint_in_an_unloadable_format_is_refused(llama: str, tmp_path: A
     assert "which srt cannot load" in proc.stderr
 
 
-def test_quantization_awq_needs_an_awq_checkpoint(llama: str) -> None:
-    proc = start_fails(llama, "--quantization", "awq")
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_quantization_int4_needs_its_checkpoint(llama: str, method: str) -> None:
+    proc = start_fails(llama, "--quantization", method)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "--quantization awq needs an AWQ checkpoint" in proc.stderr
+    assert f"--quantization {method} needs an {method.upper()} checkpoint" in proc.stderr

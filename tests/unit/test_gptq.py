@@ -1,0 +1,167 @@
+"""GPTQ int4 (the layout AutoGPTQ / GPTQModel / optimum write): packing order, zero-point
+conventions (v1 stores z - 1), the quantizer, the check of g_idx, the config's refusals, and
+the conversion into the int4 kernels' weight through a linear layer on the CPU."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from srt.layers.gptq import check_g_idx, dequantize_gptq, finish_gptq, pack_rows, \
+    quantize_gptq, set_gptq, unpack_rows, zeros_from_checkpoint
+
+
+def test_rows_pack_along_the_input_axis() -> None:
+    # channels 0..7 of one output column holding 1..8: nibble j (bits 4 j) is channel j
+    word = pack_rows(torch.arange(1, 9).view(8, 1))
+    assert word.shape == (1, 1) and word.dtype == torch.int32
+    assert int(word) & 0xFFFFFFFF == 0x87654321
+    v = torch.randint(0, 16, (64, 24), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(unpack_rows(pack_rows(v)), v.to(torch.int32))
+
+
+def test_symmetric_v1_stores_seven_and_v2_eight() -> None:
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(1))
+    _, z1, _, _ = quantize_gptq(w, 64, sym=True)
+    _, z2, _, _ = quantize_gptq(w, 64, sym=True, v2=True)
+    assert z1.shape == (2, 2) and (z1 == 0x77777777).all()
+    assert ((z2.to(torch.int64) & 0xFFFFFFFF) == 0x88888888).all()
+    assert (zeros_from_checkpoint(z1, v2=False) == 8).all()
+    assert (zeros_from_checkpoint(z2, v2=True) == 8).all()
+
+
+@pytest.mark.parametrize("group,sym,v2", [(32, True, False), (64, False, True),
+                                          (-1, True, False), (32, False, False)])
+def test_quantize_dequantize(group: int, sym: bool, v2: bool) -> None:
+    """Round to nearest: every weight within half a step of its original (plus the scale's
+    float16 rounding; symmetric groups also clip nothing); the layout's shapes and dtypes."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 256, generator=g) * 0.05  # [N, K]
+    qweight, qzeros, scales, g_idx = quantize_gptq(w, group, sym, v2)
+    groups = 1 if group == -1 else 256 // group
+    assert qweight.shape == (32, 48) and qweight.dtype == torch.int32
+    assert qzeros.shape == (groups, 6) and qzeros.dtype == torch.int32
+    assert scales.shape == (groups, 48) and scales.dtype == torch.float16
+    assert g_idx.dtype == torch.int32 and torch.equal(
+        g_idx, torch.arange(256, dtype=torch.int32) // (256 if group == -1 else group))
+    deq = dequantize_gptq(qweight, qzeros, scales, g_idx, torch.float32, v2)
+    step = scales.float()[g_idx.long()].t()
+    assert ((deq - w).abs() <= 0.5 * step * 1.01 + 1e-6).all()
+    assert (deq != w).any()
+    # the definition, written out for one element
+    k, n = 70, 5
+    q = (int(qweight[k // 8, n]) >> (4 * (k % 8))) & 0xF
+    z = ((int(qzeros[int(g_idx[k]), n // 8]) >> (4 * (n % 8))) & 0xF) + (0 if v2 else 1)
+    assert deq[n, k] == (q - z) * scales[int(g_idx[k]), n].float()
+
+
+def test_v1_reads_a_stored_fifteen_as_sixteen() -> None:
+    """A v1 zero nibble of 15 is z = 16 (how the reference kernels read v1)."""
+    qzeros = torch.full((1, 1), 0xF, dtype=torch.int32)
+    assert zeros_from_checkpoint(qzeros, v2=False)[0, 0] == 16
+    assert zeros_from_checkpoint(qzeros, v2=False)[0, 1] == 1
+
+
+def test_g_idx_must_keep_consecutive_groups() -> None:
+    check_g_idx("l.g_idx", torch.arange(256, dtype=torch.int32) // 64, 64)
+    check_g_idx("l.g_idx", torch.zeros(256, dtype=torch.int32), -1)
+    act_order = (torch.randperm(256, generator=torch.Generator().manual_seed(3)) // 64)
+    with pytest.raises(ValueError, match="desc_act"):
+        check_g_idx("model.layers.0.mlp.down_proj.g_idx", act_order.to(torch.int32), 64)
+
+
+def test_a_linear_layer_serves_the_checkpoint_weight() -> None:
+    """set_gptq gives a layer the checkpoint's parameters; once filled, finish_gptq makes them
+    the int4 kernels' weight (as AWQ's), whose CPU product equals the dequantized weight's."""
+    from srt.layers.awq import AwqKernelWeight
+    from srt.layers.linear import ColumnParallelLinear
+
+    g = torch.Generator().manual_seed(4)
+    for v2 in (False, True):
+        layer = ColumnParallelLinear(128, 48)
+        set_gptq(layer, 32)
+        tensors = quantize_gptq(torch.randn(48, 128, generator=g), 32, sym=not v2, v2=v2)
+        for p, t in zip((layer.qweight, layer.qzeros, layer.scales), tensors[:3]):
+            p.data.copy_(t)
+        assert finish_gptq(layer, v2) == 1
+        assert isinstance(layer.quant, AwqKernelWeight)
+        assert {n for n, _ in layer.named_parameters()} == {"awq_w", "awq_scales", "awq_zeros"}
+        x = torch.randn(3, 5, 128, generator=g)
+        want = x @ dequantize_gptq(*tensors, torch.float32, v2).t()
+        torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-5)
+
+
+def _ckpt(tmp_path: Any, qc: dict[str, Any], **cfg: Any) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc, **cfg}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("qc,why", [
+    ({"bits": 8, "group_size": 128}, "8 bits"),
+    ({"bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+    ({"bits": 4, "group_size": 100}, "group size 100"),
+    ({"bits": 4, "group_size": 128, "dynamic": {"-:.*down_proj": {}}}, "per-module overrides"),
+    ({"bits": 4, "group_size": 128, "lm_head": True}, "a quantized lm_head"),
+])
+def test_config_refusals(tmp_path: Any, qc: dict[str, Any], why: str) -> None:
+    from srt.layers.quant_config import checkpoint_quant
+
+    with pytest.raises(ValueError, match=f"quant_method 'gptq' with {why}"):
+        checkpoint_quant(_ckpt(tmp_path, {"quant_method": "gptq", **qc}))
+
+
+def test_config_read(tmp_path: Any) -> None:
+    """GPTQModel's keys (format / checkpoint_format, desc_act, sym); AutoGPTQ's
+    quantize_config.json beside a config without quantization_config (no quant_method);
+    modules_in_block_to_quantize leaves the other layers unquantized."""
+    from srt.layers.quant_config import checkpoint_quant
+
+    c = checkpoint_quant(_ckpt(tmp_path, {"quant_method": "gptq", "bits": 4, "group_size": -1,
+                                          "desc_act": True, "sym": False,
+                                          "format": "gptq_v2"}))
+    assert (c.method, c.group_size, c.gptq_v2, c.is_int4) == ("gptq", -1, True, True)
+    side = tmp_path / "side"
+    side.mkdir()
+    (side / "config.json").write_text("{}")
+    (side / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128,
+                                                           "desc_act": False}))
+    c = checkpoint_quant(str(side))
+    assert (c.method, c.group_size, c.gptq_v2) == ("gptq", 128, False)
+    (tmp_path / "only").mkdir()
+    c = checkpoint_quant(_ckpt(tmp_path / "only", {
+        "quant_method": "gptq", "bits": 4, "group_size": 128,
+        "modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj",
+                                          "self_attn.v_proj"], ["mlp.down_proj"]]}))
+    assert c.quantized("model.layers.0.self_attn.qkv_proj")
+    assert c.quantized("model.layers.0.mlp.down_proj")
+    assert not c.quantized("model.layers.0.mlp.gate_up_proj")
+    assert not c.quantized("model.layers.0.self_attn.o_proj")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("group", [128, -1])
+def test_gptq_layer_on_the_gpu_kernels(group: int) -> None:
+    """A GPTQ layer on the GPU (its qweight used as the kernels' weight, v1 zero points up to
+    16) equals its dequantized weight in bf16, at the decode rows and the prefill path."""
+    from srt.layers.linear import RowParallelLinear
+
+    g = torch.Generator().manual_seed(5)
+    layer = RowParallelLinear(4096, 1024).cuda()
+    set_gptq(layer, group)
+    tensors = quantize_gptq(torch.randn(1024, 4096, generator=g) * 0.02, group, sym=False)
+    qzeros = tensors[1].clone()
+    qzeros[0, 0] = qzeros[0, 0] | 0xF  # a stored 15: z = 16
+    tensors = (tensors[0], qzeros, *tensors[2:])
+    for p, t in zip((layer.qweight, layer.qzeros, layer.scales), tensors[:3]):
+        p.data.copy_(t.cuda())
+    finish_gptq(layer, v2=False)
+    w = dequantize_gptq(*tensors, torch.float64, v2=False).cuda()
+    for m in (1, 2, 4, 16, 300):
+        x = torch.randn(m, 4096, generator=g).to(torch.bfloat16).cuda()
+        ref = x.double() @ w.t()
+        out = layer(x)
+        assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2, m
