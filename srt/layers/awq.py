@@ -108,11 +108,13 @@ class AwqKernelWeight:
     """The same weight in the GPU kernels' layout (srt/layers/quant_gemm_triton.py): `w` int32
     [K/8, N] with eight consecutive input channels per word (IN_ORDER), `scales` [K/G, N] and
     `zeros` uint8 [K/G, N], so that output columns are contiguous, as the kernels read them.
-    GPTQ checkpoints (srt/layers/gptq.py) load into it directly: their `qweight` is this `w`."""
+    GPTQ checkpoints (srt/layers/gptq.py) load into it directly: their `qweight` is this `w`;
+    `perm` (GPTQ's act order) reorders the input channels of x to w's order before a product."""
 
     w: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
+    perm: torch.Tensor | None = None
 
     @classmethod
     def from_checkpoint(cls, a: AwqWeight) -> "AwqKernelWeight":
@@ -120,7 +122,8 @@ class AwqKernelWeight:
         return cls(w, a.scales.contiguous(), unpack_awq(a.qzeros).to(torch.uint8))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight [N, K] in `dtype` (torch; dequantize_awq's values)."""
+        """The weight [N, K] in `dtype` (torch; dequantize_awq's values), input channels in
+        w's order (`perm` applied)."""
         q = unpack_awq(self.w.t(), IN_ORDER).float()  # [N, K]
         group = q.shape[1] // self.scales.shape[0]
         z = self.zeros.t().float().repeat_interleave(group, 1)
@@ -132,6 +135,8 @@ class AwqKernelWeight:
         dequantized weight."""
         from srt.layers.quant_gemm_triton import DEQUANT_MIN_ROWS, dequantize_int4, wo_matmul
 
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         if not x.is_cuda:
             return F.linear(x, self.dequantize(x.dtype))
         shape = x.shape

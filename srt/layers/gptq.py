@@ -10,9 +10,12 @@ group over all K inputs):
   of its group's row. checkpoint_format "gptq" (v1, the common one) stores z - 1, "gptq_v2"
   stores z; a v1 nibble of 15 reads back as 16, as the reference kernels read it;
 - `scales` float16 [K / G, N];
-- `g_idx` int32 [K]: each input channel's group. srt loads the checkpoints whose groups are
-  consecutive runs of G channels (g_idx[k] = k // G: desc_act false, or act-order with static
-  groups); an act-order permutation is refused at load, naming desc_act.
+- `g_idx` int32 [K]: each input channel's group: consecutive runs of G channels (g_idx[k] =
+  k // G) unless the checkpoint was quantized in activation order (desc_act), where it is a
+  permutation of those. For the latter srt sorts the layer's input channels by group once
+  loaded and gathers x in that order before each product (one small kernel per product); a
+  row-parallel layer at --tp-size > 1 would need each rank's channels in whole groups, which
+  act order does not give: refused.
 
 The weight is w[n, k] = (q[k, n] - z[g, n]) * s[g, n] with g = g_idx[k] (in float32, then
 rounded to the activation dtype). Once loaded, a layer's GPTQ tensors become an
@@ -83,15 +86,33 @@ def quantize_gptq(w: torch.Tensor, group: int, sym: bool = True, v2: bool = Fals
     return pack_rows(q.reshape(k, n)), pack_awq(stored, IN_ORDER), scales, g_idx
 
 
-def check_g_idx(name: str, g_idx: torch.Tensor, group: int) -> None:
-    """ValueError unless the checkpoint's g_idx puts channels in consecutive groups of `group`
-    (-1: one group), the only order srt's kernels read."""
-    k = g_idx.numel()
-    want = torch.arange(k, dtype=torch.int64) // (k if group == -1 else group)
-    if not torch.equal(g_idx.reshape(-1).to(torch.int64).cpu(), want):
-        raise ValueError(f"{name}: the checkpoint orders input channels into groups by "
-                         "activation (desc_act / act-order), which srt cannot load (groups of "
-                         f"{group} consecutive channels are loaded)")
+def _consecutive(k: int, group: int) -> torch.Tensor:
+    return torch.arange(k, dtype=torch.int64) // (k if group == -1 else group)
+
+
+def act_order(name: str, g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
+    """None for consecutive groups; for an act-order g_idx the permutation that sorts the
+    input channels by group (stably); ValueError if its groups are not of `group` channels."""
+    g = g_idx.reshape(-1).to(torch.int64).cpu()
+    want = _consecutive(g.numel(), group)
+    if torch.equal(g, want):
+        return None
+    perm = torch.argsort(g, stable=True)
+    if not torch.equal(g[perm], want):
+        raise ValueError(f"{name}: its groups are not of {group} input channels each, which "
+                         "srt cannot load")
+    return perm
+
+
+def keep_g_idx(module: nn.Module, name: str, g_idx: torch.Tensor) -> None:
+    """Keep a checkpoint g_idx on its (possibly merged) layer for finish_gptq; the parts of a
+    merged layer (q / k / v, gate / up) share their input, so their orders must agree."""
+    g = g_idx.reshape(-1).to(torch.int64).cpu()
+    kept = getattr(module, "gptq_g_idx", None)
+    if kept is not None and not torch.equal(kept, g):
+        raise ValueError(f"{name}: the parts of a layer srt computes as one product have "
+                         "different act orders (g_idx), which srt cannot load")
+    module.gptq_g_idx = g
 
 
 class GptqWeight:
@@ -130,8 +151,8 @@ def set_gptq(module: nn.Module, group: int) -> None:
 
 def prepare_gptq_checkpoint(model: nn.Module, quantized: Callable[[str], bool], group: int) -> int:
     """Before loading a GPTQ checkpoint: every linear layer of the language model the
-    checkpoint quantizes gets its GPTQ parameters; returns how many. The model keeps the group
-    size (`gptq_group`) to check each layer's g_idx as it loads."""
+    checkpoint quantizes gets its GPTQ parameters; returns how many. `gptq_group` on the model
+    tells its loader to keep each layer's g_idx (keep_g_idx)."""
     from srt.layers.fp8 import quantizable_linears
 
     count = 0
@@ -143,17 +164,31 @@ def prepare_gptq_checkpoint(model: nn.Module, quantized: Callable[[str], bool], 
     return count
 
 
-def finish_gptq(model: nn.Module, v2: bool) -> int:
-    """Once loaded: each GPTQ layer's tensors become an AwqKernelWeight (qweight as it is, the
-    zero points unpacked), on the CPU and the GPU alike. Returns how many layers."""
+def finish_gptq(model: nn.Module, v2: bool, group: int) -> int:
+    """Once loaded: each GPTQ layer's tensors become an AwqKernelWeight (qweight as it is, or
+    with its rows sorted by group for an act-order g_idx, the zero points unpacked), on the
+    CPU and the GPU alike. Returns how many layers."""
+    from srt.layers.linear import RowParallelLinear
+
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         quant: Any = getattr(module, "quant", None)
-        if isinstance(quant, GptqWeight):
-            zeros = zeros_from_checkpoint(quant.qzeros, v2).to(torch.uint8)
-            kw = AwqKernelWeight(quant.qweight, quant.scales.contiguous(), zeros)
-            for name in ("qweight", "qzeros", "scales"):
-                delattr(module, name)
-            install_kernel_weight(module, kw)
-            count += 1
+        if not isinstance(quant, GptqWeight):
+            continue
+        g_idx = getattr(module, "gptq_g_idx", None)
+        perm = None if g_idx is None else act_order(name, g_idx, group)
+        w = quant.qweight
+        if perm is not None:
+            if isinstance(module, RowParallelLinear) and module.tp_size > 1:
+                raise ValueError(f"{name}: an act-order (desc_act) checkpoint's row-parallel "
+                                 "layers cannot be cut into whole groups per rank: serve it "
+                                 "at --tp-size 1")
+            perm = perm.to(w.device)
+            w = pack_rows(unpack_rows(w)[perm])
+        zeros = zeros_from_checkpoint(quant.qzeros, v2).to(torch.uint8)
+        kw = AwqKernelWeight(w, quant.scales.contiguous(), zeros, perm)
+        for attr in ("qweight", "qzeros", "scales"):
+            delattr(module, attr)
+        install_kernel_weight(module, kw)
+        count += 1
     return count

@@ -223,7 +223,7 @@ class ModelRunner:
         if ckpt is not None and ckpt.method == "gptq":
             from srt.layers.gptq import finish_gptq
 
-            finish_gptq(model, ckpt.gptq_v2)  # into the int4 kernels' weight (AWQ's)
+            finish_gptq(model, ckpt.gptq_v2, ckpt.group_size)  # into AWQ's kernel weight
         if self.args.quantization == "fp8" and self.quantization is None:
             from srt.layers.fp8 import quantize_model_fp8
 

@@ -229,9 +229,14 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith(".input_scale"):
                 continue  # a static activation scale: activations are scaled per token
             if name.endswith(".g_idx") and getattr(self, "gptq_group", None) is not None:
-                from srt.layers.gptq import check_g_idx
+                from srt.layers.gptq import keep_g_idx
 
-                check_g_idx(name, tensor[:], self.gptq_group)  # consecutive groups only
+                owner = name[: -len(".g_idx")]
+                for src, dst, _ in self.stacked_params:
+                    if src in owner:
+                        owner = owner.replace(src, dst)
+                        break
+                keep_g_idx(self.get_submodule(owner), name, tensor[:])  # for finish_gptq
                 continue
             if name.endswith((".k_scale", ".v_scale", ".kv_scale")):
                 self._load_kv_scale(name, tensor)

@@ -316,13 +316,15 @@ def write_gptq_checkpoint(src: str, dst: str, group: int, sym: bool, v2: bool,
     """The random Llama at `src` quantized by our own int4 quantizer into GPTQ's layout
     (`qweight`, `qzeros`, `scales` float16, `g_idx` per decoder linear layer), with the
     `quantization_config` GPTQModel writes. act_order: each layer's g_idx a permutation of
-    its groups, as desc_act leaves it (srt refuses those)."""
+    its groups, as desc_act leaves it (shared by the layers that share their input)."""
     from srt.layers.gptq import quantize_gptq
 
     def quantize(base: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         tensors = list(quantize_gptq(t, group, sym, v2))
-        if act_order:
-            perm = torch.randperm(t.shape[1], generator=torch.Generator().manual_seed(0))
+        if act_order:  # q / k / v (gate / up) share their input, hence their order
+            seed = sum(map(ord, base.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
+                           .replace("up_proj", "gate_proj")))
+            perm = torch.randperm(t.shape[1], generator=torch.Generator().manual_seed(seed))
             tensors[3] = tensors[3][perm].contiguous()
         names = ("qweight", "qzeros", "scales", "g_idx")
         return {f"{base}.{n}": x for n, x in zip(names, tensors)}
@@ -369,12 +371,20 @@ def test_gptq_checkpoint_equals_its_dequantized_weights(llama: str, tmp_path: An
                      "--tp-size", str(tp), *(["--quantization", "gptq"] if tp == 1 else []))
 
 
-def test_gptq_act_order_is_refused_at_load(llama: str, tmp_path: Any) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gptq_act_order(llama: str, tmp_path: Any, tp: int) -> None:
+    """desc_act: at TP 1 the channels sorted by group serve the dequantized model's tokens;
+    at TP 2 the row-parallel layers cannot hold whole groups per rank: refused, naming it."""
     ckpt = str(tmp_path / "gptq-act-order")
     write_gptq_checkpoint(llama, ckpt, 64, True, False, act_order=True)
-    proc = start_fails(ckpt)
+    if tp == 1:
+        ref = gptq_dequantized_reference(ckpt, False)
+        _serve_and_check(ckpt, ref, "gptq (int4, group 64)",
+                         "GPTQ checkpoint (gptq): 8 linear layers load in int4, group 64")
+        return
+    proc = start_fails(ckpt, "--tp-size", "2")
     assert proc.returncode != 0
-    assert "by activation (desc_act / act-order), which srt cannot load" in proc.stderr
+    assert "an act-order (desc_act) checkpoint's row-parallel layers" in proc.stderr
 
 
 def _with_quant_config(src: str, dst: str, qc: dict[str, Any]) -> str:

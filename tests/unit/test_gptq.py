@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from srt.layers.gptq import check_g_idx, dequantize_gptq, finish_gptq, pack_rows, \
+from srt.layers.gptq import act_order, dequantize_gptq, finish_gptq, pack_rows, \
     quantize_gptq, set_gptq, unpack_rows, zeros_from_checkpoint
 
 
@@ -65,33 +65,43 @@ def test_v1_reads_a_stored_fifteen_as_sixteen() -> None:
     assert zeros_from_checkpoint(qzeros, v2=False)[0, 1] == 1
 
 
-def test_g_idx_must_keep_consecutive_groups() -> None:
-    check_g_idx("l.g_idx", torch.arange(256, dtype=torch.int32) // 64, 64)
-    check_g_idx("l.g_idx", torch.zeros(256, dtype=torch.int32), -1)
-    act_order = (torch.randperm(256, generator=torch.Generator().manual_seed(3)) // 64)
-    with pytest.raises(ValueError, match="desc_act"):
-        check_g_idx("model.layers.0.mlp.down_proj.g_idx", act_order.to(torch.int32), 64)
+def test_act_order_sorts_channels_by_group() -> None:
+    assert act_order("l.g_idx", torch.arange(256, dtype=torch.int32) // 64, 64) is None
+    assert act_order("l.g_idx", torch.zeros(256, dtype=torch.int32), -1) is None
+    g = (torch.randperm(256, generator=torch.Generator().manual_seed(3)) // 64).to(torch.int32)
+    perm = act_order("l.g_idx", g, 64)
+    assert torch.equal(g[perm].long(), torch.arange(256) // 64)
+    uneven = torch.arange(256, dtype=torch.int32) // 64
+    uneven[0] = 1  # group 0 with 63 channels, group 1 with 65
+    with pytest.raises(ValueError, match="not of 64 input channels each"):
+        act_order("model.layers.0.mlp.down_proj.g_idx", uneven, 64)
 
 
 def test_a_linear_layer_serves_the_checkpoint_weight() -> None:
     """set_gptq gives a layer the checkpoint's parameters; once filled, finish_gptq makes them
-    the int4 kernels' weight (as AWQ's), whose CPU product equals the dequantized weight's."""
+    the int4 kernels' weight (as AWQ's; act order: channels sorted by group, x gathered),
+    whose CPU product equals the dequantized weight's."""
     from srt.layers.awq import AwqKernelWeight
     from srt.layers.linear import ColumnParallelLinear
 
     g = torch.Generator().manual_seed(4)
-    for v2 in (False, True):
+    for v2, ordered in ((False, False), (True, False), (False, True)):
         layer = ColumnParallelLinear(128, 48)
         set_gptq(layer, 32)
         tensors = quantize_gptq(torch.randn(48, 128, generator=g), 32, sym=not v2, v2=v2)
+        if ordered:  # act order: g_idx a permutation of the groups
+            tensors = (*tensors[:3], tensors[3][torch.randperm(128, generator=g)].contiguous())
+            layer.gptq_g_idx = tensors[3].long()
         for p, t in zip((layer.qweight, layer.qzeros, layer.scales), tensors[:3]):
             p.data.copy_(t)
-        assert finish_gptq(layer, v2) == 1
+        assert finish_gptq(layer, v2, 32) == 1
         assert isinstance(layer.quant, AwqKernelWeight)
+        assert (layer.quant.perm is not None) == ordered
         assert {n for n, _ in layer.named_parameters()} == {"awq_w", "awq_scales", "awq_zeros"}
         x = torch.randn(3, 5, 128, generator=g)
         want = x @ dequantize_gptq(*tensors, torch.float32, v2).t()
-        torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-5)
+        # (act order sums in another order: float32 rounding only)
+        torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-4 if ordered else 1e-5)
 
 
 def _ckpt(tmp_path: Any, qc: dict[str, Any], **cfg: Any) -> str:
@@ -146,7 +156,8 @@ def test_config_read(tmp_path: Any) -> None:
 @pytest.mark.parametrize("group", [128, -1])
 def test_gptq_layer_on_the_gpu_kernels(group: int) -> None:
     """A GPTQ layer on the GPU (its qweight used as the kernels' weight, v1 zero points up to
-    16) equals its dequantized weight in bf16, at the decode rows and the prefill path."""
+    16; act order at group 128) equals its dequantized weight in bf16, at the decode rows and
+    the prefill path."""
     from srt.layers.linear import RowParallelLinear
 
     g = torch.Generator().manual_seed(5)
@@ -158,7 +169,10 @@ def test_gptq_layer_on_the_gpu_kernels(group: int) -> None:
     tensors = (tensors[0], qzeros, *tensors[2:])
     for p, t in zip((layer.qweight, layer.qzeros, layer.scales), tensors[:3]):
         p.data.copy_(t.cuda())
-    finish_gptq(layer, v2=False)
+    if group != -1:  # act order
+        tensors = (*tensors[:3], tensors[3][torch.randperm(4096, generator=g)].contiguous())
+        layer.gptq_g_idx = tensors[3].long()
+    finish_gptq(layer, False, group)
     w = dequantize_gptq(*tensors, torch.float64, v2=False).cuda()
     for m in (1, 2, 4, 16, 300):
         x = torch.randn(m, 4096, generator=g).to(torch.bfloat16).cuda()
