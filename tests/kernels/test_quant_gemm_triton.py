@@ -64,13 +64,13 @@ CONFIGS = [
     (2, WoConfig(1, 32, 128, 1, 2, UNROLL_N=2)),
     (3, WoConfig(1, 16, 64, 2, 2, UNROLL_N=2, ROWS=2)),  # M not a multiple of ROWS
     (4, WoConfig(1, 32, 128, 1, 2, ROWS=2)),
-    # packed half-precision arithmetic: on a GPU with half-precision x (else the float path)
-    (1, WoConfig(1, 32, 64, 3, 2, PACKED=1)),
-    (3, WoConfig(1, 16, 64, 2, 2, UNROLL_N=2, ROWS=2, PACKED=1)),
     # tensor-core kernel: M not a multiple of BLOCK_M, split K
     (5, WoConfig(16, 32, 32, 1, 4)),
     (19, WoConfig(16, 16, 64, 2, 4)),
 ]
+if DEV == "cuda":  # packed half-precision arithmetic (a GPU and half-precision x only)
+    CONFIGS += [(1, WoConfig(1, 32, 64, 3, 2, PACKED=1)),
+                (3, WoConfig(1, 16, 64, 2, 2, UNROLL_N=2, ROWS=2, PACKED=1))]
 
 
 # bfloat16 only on the GPU: Triton's interpreter keeps bfloat16 in float32 storage, so the
