@@ -6,6 +6,13 @@ is its `req_to_token` row. The index arrays are built once per step (not per lay
 workspace is allocated once at start-up. PREFILL and EXTEND both go through the paged prefill
 wrapper: this step's K/V are already in the pool, and FlashInfer's causal mask is aligned to the
 end of each request's KV, which is exactly "causal within the new part, all of the prefix".
+
+An FP8 pool (`--kv-cache-dtype fp8_e4m3 / fp8_e5m2`): the wrappers are planned with the pool's
+dtype for K/V and the model dtype for queries, and each layer's per-tensor `k_scale` / `v_scale`
+go to `run` as Python floats (FlashInfer folds k_scale into the softmax scale and multiplies the
+output by v_scale; a tensor there would be read back to the host, which graph capture forbids).
+Prefill uses FlashInfer's FA2 kernels then: its `auto` picks FA3 on Hopper, which has no kernel
+for half-precision queries over an FP8 cache.
 """
 
 from __future__ import annotations
@@ -55,14 +62,20 @@ class FlashInferAttnBackend(AttentionBackend):
         self.num_kv_heads = runner.model_kv_heads()
         self.head_dim = runner.config.head_dim
         self.sm_scale = runner.attn_scaling()
+        self.kv_dtype: torch.dtype = getattr(runner, "kv_cache_dtype", self.dtype)
+        self.fp8_kv = self.kv_dtype.itemsize == 1
+        # FA3 (FlashInfer's choice on Hopper) has no half-precision-query / FP8-cache kernel
+        self.kernel_backend = "fa2" if self.fp8_kv else "auto"
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=self.kernel_backend)
         # Measured on one H200 (page size 1, 32/8 heads, d 128, bf16): the CUDA-core decode
         # kernel beat the tensor-core one at every batch and context of the benchmark.
         if decode_tensor_cores is None:
             decode_tensor_cores = False
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=decode_tensor_cores
+            self.workspace, "NHD", use_tensor_cores=decode_tensor_cores,
+            backend=self.kernel_backend,
         )
         self.decode_tensor_cores = decode_tensor_cores
         self.last_page_len = torch.ones(
@@ -85,7 +98,7 @@ class FlashInferAttnBackend(AttentionBackend):
                 qo_cpu.to(self.device, non_blocking=True), indptr, indices, last,
                 self.num_heads, self.num_kv_heads, self.head_dim, 1,
                 causal=True, sm_scale=self.sm_scale,
-                q_data_type=self.dtype, kv_data_type=self.dtype,
+                q_data_type=self.dtype, kv_data_type=self.kv_dtype,
             )
         else:
             self._plan_decode(self.decode, fb)
@@ -96,7 +109,7 @@ class FlashInferAttnBackend(AttentionBackend):
         wrapper.plan(
             indptr, indices, self.last_page_len[: fb.batch_size], self.num_heads,
             self.num_kv_heads, self.head_dim, 1,
-            sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+            sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
         )
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -114,7 +127,7 @@ class FlashInferAttnBackend(AttentionBackend):
                                              device=self.device)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True,
-            use_tensor_cores=self.decode_tensor_cores,
+            use_tensor_cores=self.decode_tensor_cores, backend=self.kernel_backend,
             paged_kv_indptr_buffer=self.graph_indptr[: bs + 1],
             paged_kv_indices_buffer=self.graph_indices,
             paged_kv_last_page_len_buffer=self.last_page_len[:bs],
@@ -133,10 +146,17 @@ class FlashInferAttnBackend(AttentionBackend):
         k, v = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         return k.unsqueeze(1), v.unsqueeze(1)  # [pages, page_size = 1, kv_heads, head_dim]
 
+    def _scales(self, layer: RadixAttention) -> dict[str, float]:
+        """The layer's dequantization scales for `run` (none on a model-dtype pool)."""
+        if not self.fp8_kv:
+            return {}
+        return {"k_scale": float(layer.k_scale), "v_scale": float(layer.v_scale)}
+
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
-        return self.prefill.run(q.contiguous(), self._paged(fb, layer))
+        return self.prefill.run(q.contiguous(), self._paged(fb, layer), **self._scales(layer))
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
-        return fb.attn_metadata.run(q.contiguous(), self._paged(fb, layer))
+        return fb.attn_metadata.run(q.contiguous(), self._paged(fb, layer),
+                                    **self._scales(layer))
