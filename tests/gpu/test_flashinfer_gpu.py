@@ -173,7 +173,9 @@ def test_flashinfer_decode_in_cuda_graph(kv_dtype) -> None:
     with torch.cuda.graph(graph), forward_context(fb):
         out = layer(q0, k0, v0)
     for q, k, v, args in batches:
-        ref_fb = ForwardBatch(**args, attn_backend=TorchAttnBackend())
+        ref_backend = TorchAttnBackend()
+        ref_fb = ForwardBatch(**args, attn_backend=ref_backend)
+        ref_backend.init_forward_metadata(ref_fb)
         with forward_context(ref_fb):
             ref = layer(q, k, v).float()
         if args is not args0:
