@@ -33,10 +33,12 @@ export PYTHONUNBUFFERED=1
 # .whlfi: flashinfer-python; .whlgr: xgrammar, llguidance, outlines-core, apache-tvm-ffi (both
 # FlashInfer and xgrammar need it: carry .whlgr with .whlfi)
 wheels=$(ls .whl/*.whl .whlfi/*.whl .whlgr/*.whl 2>/dev/null)
-if [ -n "$wheels" ]; then
+# installed once per machine start and wheel set (later calls of a sitting skip it)
+if [ -n "$wheels" ] && [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$(echo $wheels)" ]; then
   # shellcheck disable=SC2086
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site $wheels || exit 1
+  echo $wheels > /tmp/site/.wheels
 fi
 export PYTHONPATH=/tmp/site:$PWD
 if [ -n "${PART:-}" ]; then
