@@ -6,9 +6,8 @@ layer writes `round_fp8(clamp(k / k_scale))` and every reader computes with `sto
 `v_scale`): the checkpoint's `self_attn.k_scale` / `v_scale` when it has them, else 1.0. This
 step's own K/V may be attended to before or after the rounding, by backend (the Triton prefill
 and extend kernels use this step's values as computed; the torch backend reads them back from
-the pool); either way the cache holds the rounded values that later steps read. The torch and
-Triton backends take an FP8 pool; FlashInfer is refused with one (not verified), and `auto`
-then stays on Triton.
+the pool, and so does FlashInfer); either way the cache holds the rounded values that later
+steps read. Every backend takes an FP8 pool; `auto` then stays on Triton for both steps.
 """
 
 from __future__ import annotations

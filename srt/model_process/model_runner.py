@@ -114,7 +114,8 @@ class ModelRunner:
         )
         prefill_name, decode_name = resolve_step_backends(
             args.attention_backend, args.prefill_attention_backend,
-            args.decode_attention_backend, self.device.type)
+            args.decode_attention_backend, self.device.type,
+            fp8_kv=self.kv_cache_dtype != self.dtype)
         self.backend_name = (prefill_name if prefill_name == decode_name
                              else f"{prefill_name} (prefill) + {decode_name} (decode)")
         if "triton" in (prefill_name, decode_name) and self.device.type == "cpu":

@@ -70,6 +70,8 @@ def test_step_backend_resolution() -> None:
     assert resolve_step_backends("triton", None, "torch", "cpu") == ("triton", "torch")
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         resolve_step_backends("torch", "flashinfer", None, "cpu")
+    # an FP8 KV cache: auto stays on Triton for every step
+    assert resolve_step_backends("auto", None, None, "cuda", fp8_kv=True) == ("triton", "triton")
 
 
 def test_flashinfer_on_cpu_is_a_clear_startup_error(tiny_llama: str) -> None:

@@ -66,17 +66,19 @@ def test_fp32_triton_free_running_equals_torch(tmp_path: Any, prompts: list[list
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("backend", ["flashinfer", "auto"])
-def test_fp8_kv_backend_agrees_with_torch(backend: str, kv_dtype: str, bf16_model: str,
-                                          prompts: list[list[int]]) -> None:
-    """An FP8 KV cache through FlashInfer (alone, graphs on; and `auto`: its prefill with
-    Triton's decode) against the torch backend on the same FP8 cache."""
+@pytest.mark.parametrize("backend,extra", [
+    ("flashinfer", {}), ("triton", {"prefill_attention_backend": "flashinfer"})],
+    ids=["flashinfer", "flashinfer-prefill"])
+def test_fp8_kv_backend_agrees_with_torch(backend: str, extra: dict, kv_dtype: str,
+                                          bf16_model: str, prompts: list[list[int]]) -> None:
+    """An FP8 KV cache through FlashInfer (alone, graphs on; and its prefill with Triton's
+    decode) against the torch backend on the same FP8 cache."""
     pytest.importorskip("flashinfer")
     ref = Engine(bf16_model, "torch", "bfloat16", kv_cache_dtype=kv_dtype).greedy(
         prompts, [NEW_TOKENS] * len(prompts))
-    engine = Engine(bf16_model, backend, "bfloat16", kv_cache_dtype=kv_dtype)
+    engine = Engine(bf16_model, backend, "bfloat16", kv_cache_dtype=kv_dtype, **extra)
     assert "flashinfer" in engine.server.runner.backend_name
     same, total = teacher_forced_agreement(engine, prompts, ref)
-    print(f"{backend} {kv_dtype}: with the reference prefix {same}/{total} positions equal "
-          f"({engine.server.runner.backend_name})")
+    print(f"{engine.server.runner.backend_name} {kv_dtype}: with the reference prefix "
+          f"{same}/{total} positions equal")
     assert same / total >= 0.95, f"{backend} {kv_dtype}: {same}/{total} positions equal"
