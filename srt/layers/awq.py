@@ -129,28 +129,12 @@ class AwqKernelWeight:
         z = self.zeros.t().float().repeat_interleave(group, 1)
         return ((q - z) * self.scales.t().float().repeat_interleave(group, 1)).to(dtype)
 
-    def takes_gated(self, x: torch.Tensor) -> bool:
-        """Whether matmul(x, gated=True) computes x's gated activation inside the product:
-        on the GPU, without act order, at the few rows of the CUDA-core kernel (decode)."""
-        from srt.layers.quant_gemm_triton import takes_gated
-
-        if not x.is_cuda or self.perm is not None or x.dim() != 2:
-            return False
-        k = self.w.shape[0] * 8
-        return takes_gated(x.shape[0], k, self.w.shape[1], k // self.scales.shape[0])
-
-    def matmul(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T in x's dtype: on the GPU the weight-only kernels for few rows, one
         dequantization and a GEMM from DEQUANT_MIN_ROWS rows (prefill); on the CPU the
-        dequantized weight. `gated` (only where `takes_gated(x)`): x [M, 2 K] is a merged
-        gate/up projection and the product takes silu(gate) * up."""
+        dequantized weight."""
         from srt.layers.quant_gemm_triton import DEQUANT_MIN_ROWS, dequantize_int4, wo_matmul
 
-        if gated:
-            if not self.takes_gated(x):
-                raise ValueError(f"a gated product of x {tuple(x.shape)} on {x.device}")
-            return wo_matmul(x if x.stride(1) == 1 else x.contiguous(), self.w, self.scales,
-                             self.zeros, gated=True)
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         if not x.is_cuda:

@@ -138,18 +138,8 @@ class RowParallelLinear(nn.Module):
         n = self.in_per_rank // div
         param.data.copy_(loaded.narrow(dim, self.tp_rank * n, n))
 
-    def takes_gated(self, x: torch.Tensor) -> bool:
-        """Whether forward(x, gated=True) takes x = a merged gate/up projection [T, 2 in] and
-        computes silu(gate) * up inside the product (a quantized weight that can, at x's
-        rows; the MLP asks each step)."""
-        takes = getattr(self.quant, "takes_gated", None)
-        return takes is not None and takes(x)
-
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        if gated:
-            out = ps.all_reduce(self.quant.matmul(x, gated=True))
-        else:
-            out = ps.all_reduce(self.quant.matmul(x) if self.quant is not None
-                                else F.linear(x, self.weight))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = ps.all_reduce(self.quant.matmul(x) if self.quant is not None
+                            else F.linear(x, self.weight))
         # Bias after the reduction, so it is added once rather than once per rank.
         return out + self.bias if self.bias is not None else out

@@ -109,33 +109,18 @@ def _words_dot_4_shifts(init, words, x0, x1, x2, x3, x4, x5, x6, x7, hi, lo, one
 
 
 @triton.jit
-def _x_at(xp, up, mask, GATED: tl.constexpr):
-    """The activations at xp in float32. GATED: silu(x) * x[up] (x holds a merged gate/up
-    projection, `up` elements apart), rounded to x's dtype at the same two points as
-    srt/layers/fused_triton.py's silu_and_mul, so that the product equals the unfused one."""
-    x = tl.load(xp, mask=mask, other=0.0)
-    if GATED:
-        u = tl.load(xp + up, mask=mask, other=0.0)
-        g = x.to(tl.float32)
-        a = (g / (1.0 + tl.exp(-g))).to(x.dtype)
-        x = (a.to(tl.float32) * u.to(tl.float32)).to(x.dtype)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _x_tile(xp, up, mask, FOUR_SHIFTS: tl.constexpr, GATED: tl.constexpr):
-    """The activations of a tile's word rows (xp: their first channels; `up`, GATED: see
-    _x_at), x0 .. x7 in float32, and the start of each word's sum: xs = -sum_i x_i and
-    xc = -sum_i c_i x_i (c_i: the weight of the 1 of value i, 16 at the low position of
-    _words_dot_4_shifts, else 1)."""
-    x0 = _x_at(xp, up, mask, GATED)
-    x1 = _x_at(xp + 1, up, mask, GATED)
-    x2 = _x_at(xp + 2, up, mask, GATED)
-    x3 = _x_at(xp + 3, up, mask, GATED)
-    x4 = _x_at(xp + 4, up, mask, GATED)
-    x5 = _x_at(xp + 5, up, mask, GATED)
-    x6 = _x_at(xp + 6, up, mask, GATED)
-    x7 = _x_at(xp + 7, up, mask, GATED)
+def _x_tile(xp, mask, FOUR_SHIFTS: tl.constexpr):
+    """The activations of a tile's word rows (xp: their first channels), x0 .. x7 in float32,
+    and the start of each word's sum: xs = -sum_i x_i and xc = -sum_i c_i x_i (c_i: the
+    weight of the 1 of value i, 16 at the low position of _words_dot_4_shifts, else 1)."""
+    x0 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(xp + 1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xp + 2, mask=mask, other=0.0).to(tl.float32)
+    x3 = tl.load(xp + 3, mask=mask, other=0.0).to(tl.float32)
+    x4 = tl.load(xp + 4, mask=mask, other=0.0).to(tl.float32)
+    x5 = tl.load(xp + 5, mask=mask, other=0.0).to(tl.float32)
+    x6 = tl.load(xp + 6, mask=mask, other=0.0).to(tl.float32)
+    x7 = tl.load(xp + 7, mask=mask, other=0.0).to(tl.float32)
     xs = -(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))
     xc = xs
     if FOUR_SHIFTS:
@@ -197,19 +182,18 @@ def _half2(lo, hi):
 
 
 @triton.jit
-def _x_pairs(xp, up, mask, GATED: tl.constexpr):
-    """A tile's activations (xp: each word row's first channel; `up`, GATED: see _x_at)
-    scaled by 2^-6 as the half-precision pairs (x_i, x_i+4), i = 0..3, that _packed_part
-    multiplies."""
+def _x_pairs(xp, mask):
+    """A tile's activations (xp: each word row's first channel) scaled by 2^-6 as the
+    half-precision pairs (x_i, x_i+4), i = 0..3, that _packed_part multiplies."""
     sc = _PACKED_X_SCALE
-    x0 = _x_at(xp, up, mask, GATED) * sc
-    x1 = _x_at(xp + 1, up, mask, GATED) * sc
-    x2 = _x_at(xp + 2, up, mask, GATED) * sc
-    x3 = _x_at(xp + 3, up, mask, GATED) * sc
-    x4 = _x_at(xp + 4, up, mask, GATED) * sc
-    x5 = _x_at(xp + 5, up, mask, GATED) * sc
-    x6 = _x_at(xp + 6, up, mask, GATED) * sc
-    x7 = _x_at(xp + 7, up, mask, GATED) * sc
+    x0 = tl.load(xp, mask=mask, other=0.0).to(tl.float32) * sc
+    x1 = tl.load(xp + 1, mask=mask, other=0.0).to(tl.float32) * sc
+    x2 = tl.load(xp + 2, mask=mask, other=0.0).to(tl.float32) * sc
+    x3 = tl.load(xp + 3, mask=mask, other=0.0).to(tl.float32) * sc
+    x4 = tl.load(xp + 4, mask=mask, other=0.0).to(tl.float32) * sc
+    x5 = tl.load(xp + 5, mask=mask, other=0.0).to(tl.float32) * sc
+    x6 = tl.load(xp + 6, mask=mask, other=0.0).to(tl.float32) * sc
+    x7 = tl.load(xp + 7, mask=mask, other=0.0).to(tl.float32) * sc
     return _half2(x0, x4), _half2(x1, x5), _half2(x2, x6), _half2(x3, x7)
 
 
@@ -235,14 +219,13 @@ def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
                       stride_w, stride_s, stride_z, stride_om, hi, lo, one, magic, sixteenth,
                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT_K: tl.constexpr, UNROLL_N: tl.constexpr, ROWS: tl.constexpr,
-                      FOUR_SHIFTS: tl.constexpr, PACKED: tl.constexpr, GATED: tl.constexpr):
+                      FOUR_SHIFTS: tl.constexpr, PACKED: tl.constexpr):
     # One group per tile (BLOCK_K divides GROUP); word row j of a tile holds channels 8 j + i
     # (bits 4 i). With 1 + q / 128 from _nibble,
     #   sum_i (q_i - z) x_i / 128 = sum_i (1 + q_i / 128) x_i - (1 + z / 128) sum_i x_i,
     # so that each value costs a shift, a masked OR and a multiply-add, and the zero point a
     # multiply-add per word. UNROLL_N (1 or 2) column tiles per program share the loads and
     # conversions of x; ROWS (1 or 2) rows of x share the values taken from the words.
-    # GATED: x rows are [gate | up] (K each) and the activations silu(gate) * up (_x_at).
     pid_m = tl.program_id(0)  # fastest: the programs of other rows read the same words next
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -293,15 +276,14 @@ def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
             zhi_b = zhi_a
             if UNROLL_N == 2:
                 zlo_b, zhi_b = _zero_pairs(z_b)
-            x04, x15, x26, x37 = _x_pairs(x_row + wi * 8, K, mask_w, GATED)
+            x04, x15, x26, x37 = _x_pairs(x_row + wi * 8, mask_w)
             acc_a0 += _packed_part(w_a, x04, x15, x26, x37, zlo_a, zhi_a, magic,
                                    sixteenth) * s_a[None, :]
             if UNROLL_N == 2:
                 acc_b0 += _packed_part(w_b, x04, x15, x26, x37, zlo_b, zhi_b, magic,
                                        sixteenth) * s_b[None, :]
             if ROWS == 2:
-                x04, x15, x26, x37 = _x_pairs(x_row + stride_xm + wi * 8, K, mask_w & has1,
-                                              GATED)
+                x04, x15, x26, x37 = _x_pairs(x_row + stride_xm + wi * 8, mask_w & has1)
                 acc_a1 += _packed_part(w_a, x04, x15, x26, x37, zlo_a, zhi_a, magic,
                                        sixteenth) * s_a[None, :]
                 if UNROLL_N == 2:
@@ -310,17 +292,16 @@ def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
         else:
             zc_a = z_a * 0.0078125
             zc_b = z_b * 0.0078125
-            x0, x1, x2, x3, x4, x5, x6, x7, xs, xc = _x_tile(x_row + wi * 8, K, mask_w,
-                                                             FOUR_SHIFTS, GATED)
+            x0, x1, x2, x3, x4, x5, x6, x7, xs, xc = _x_tile(x_row + wi * 8, mask_w,
+                                                             FOUR_SHIFTS)
             acc_a0 += _tile_part(w_a, s_a, zc_a, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7, hi,
                                  lo, one, FOUR_SHIFTS)
             if UNROLL_N == 2:
                 acc_b0 += _tile_part(w_b, s_b, zc_b, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7,
                                      hi, lo, one, FOUR_SHIFTS)
             if ROWS == 2:
-                x0, x1, x2, x3, x4, x5, x6, x7, xs, xc = _x_tile(x_row + stride_xm + wi * 8, K,
-                                                                 mask_w & has1, FOUR_SHIFTS,
-                                                                 GATED)
+                x0, x1, x2, x3, x4, x5, x6, x7, xs, xc = _x_tile(x_row + stride_xm + wi * 8,
+                                                                 mask_w & has1, FOUR_SHIFTS)
                 acc_a1 += _tile_part(w_a, s_a, zc_a, xs, xc, x0, x1, x2, x3, x4, x5, x6, x7,
                                      hi, lo, one, FOUR_SHIFTS)
                 if UNROLL_N == 2:
@@ -529,28 +510,13 @@ def split_workspace(device: torch.device, numel: int) -> tuple[torch.Tensor, tor
     return ws
 
 
-def takes_gated(m: int, k: int, n: int, group: int, config: WoConfig | None = None) -> bool:
-    """Whether wo_matmul(..., gated=True) takes an int4 product of m rows (K = k, N = n): the
-    CUDA-core kernel's tiles, which compute the gated activation as they load it."""
-    return (config or default_config(m, n, k, True, group)).BLOCK_M == 1
-
-
 def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None,
-              config: WoConfig | None = None, gated: bool = False) -> torch.Tensor:
+              config: WoConfig | None = None) -> torch.Tensor:
     """x [M, K] (contiguous rows) @ dequant(w).T -> [M, N] in x's dtype. FP8: w [N, K]
     float8_e4m3fn, s [N]. int4 (z given): w [K / 8, N] int32, s [K / G, N], z [K / G, N]
-    uint8 (the layout of the module docstring).
-
-    `gated` (int4, where `takes_gated`): x is [M, 2 K], a merged gate/up projection, and the
-    product's activations are silu(gate) * up, equal to srt/layers/fused_triton.py's
-    silu_and_mul(x) (one kernel and one [M, K] round trip fewer per MLP at decode)."""
+    uint8 (the layout of the module docstring)."""
     int4 = z is not None
     m, k = x.shape
-    if gated:
-        if not int4 or k % 2:
-            raise ValueError(f"a gated product takes int4 weights and x [M, 2 K], not "
-                             f"{tuple(x.shape)}")
-        k //= 2
     n = w.shape[1] if int4 else w.shape[0]
     if x.stride(1) != 1 or w.stride(1) != 1 or (w.shape[0] * 8 if int4 else w.shape[1]) != k:
         raise ValueError(f"x {tuple(x.shape)} against a weight {tuple(w.shape)} {w.dtype}")
@@ -563,8 +529,6 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
                          + (f" / zeros {tuple(z.shape)}" if int4 else "")
                          + f" against a weight of {n} x {k}")
     cfg = config or default_config(m, n, k, int4, group)
-    if gated and cfg.BLOCK_M != 1:
-        raise ValueError(f"a gated product of {m} rows: the CUDA-core kernel's tiles only")
     if int4 and (group % 8 or group % cfg.BLOCK_K or cfg.BLOCK_K % 8):
         raise ValueError(f"int4 groups of {group} with BLOCK_K {cfg.BLOCK_K}")
     if cfg.UNROLL_N not in (1, 2) or cfg.ROWS not in (1, 2):
@@ -586,7 +550,7 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
                 GROUP=group, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_K=split,
                 UNROLL_N=cfg.UNROLL_N, ROWS=cfg.ROWS, FOUR_SHIFTS=x.dtype != torch.float32,
                 PACKED=bool(cfg.PACKED) and x.is_cuda and x.dtype != torch.float32,
-                GATED=gated, num_warps=cfg.num_warps)
+                num_warps=cfg.num_warps)
         else:
             _gemv_fp8_kernel[(triton.cdiv(n, cfg.BLOCK_N), m, split)](
                 x, w, s, out, ws, cnt, n, k, x.stride(0), w.stride(0), out.stride(0),

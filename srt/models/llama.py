@@ -41,10 +41,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        if self.down_proj.takes_gated(h):  # int4 weights at decode: SiLU inside the product
-            return self.down_proj(h, gated=True)
-        return self.down_proj(self.act(h))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):

@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 from srt.layers.awq import AwqKernelWeight, AwqWeight, dequantize_awq, quantize_awq  # noqa: E402
 from srt.layers.fp8 import dequantize, quantize_per_channel  # noqa: E402
 from srt.layers.quant_gemm_triton import (  # noqa: E402
-    WoConfig, dequantize_int4, split_workspace, takes_gated, wo_matmul)
+    WoConfig, dequantize_int4, split_workspace, wo_matmul)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -87,43 +87,6 @@ def test_int4(dtype: torch.dtype, m: int, cfg: WoConfig) -> None:
     out = wo_matmul(x, kw.w, kw.scales, kw.zeros, cfg)
     assert out.dtype == dtype and out.shape == (m, 72)
     assert _rel(out, ref) < TOL[dtype]
-
-
-def _gated_reference(h: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a merged projection, rounded to h's dtype as SiluAndMul rounds it."""
-    gate, up = h.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate.float()).to(h.dtype).float().mul(up.float()).to(h.dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32] + HALF, ids=str)
-@pytest.mark.parametrize("m,cfg", [(m, c) for m, c in CONFIGS if c.BLOCK_M == 1
-                                   and c.REDUCE == 0], ids=lambda v: str(v))
-def test_int4_gated(dtype: torch.dtype, m: int, cfg: WoConfig) -> None:
-    """x = a merged gate/up projection [M, 2 K]: the product of silu(gate) * up, computed as
-    the kernel loads it, against the reference product of the unfused activation."""
-    a, kw = _awq(72, 384, 128, seed=m)
-    h = _x(m, 2 * 384, dtype, seed=m + 5) * 2
-    act = _gated_reference(h)
-    ref = act.double() @ dequantize_awq(a.qweight, a.qzeros, a.scales, dtype).double().t()
-    out = wo_matmul(h, kw.w, kw.scales, kw.zeros, cfg, gated=True)
-    assert out.dtype == dtype and out.shape == (m, 72)
-    assert _rel(out, ref) < TOL[dtype]
-    assert takes_gated(m, 384, 72, 128, cfg)
-
-
-def test_gated_refusals() -> None:
-    a, kw = _awq(16, 128, 64, seed=3)
-    h = _x(20, 256, torch.float32, 0)
-    assert not takes_gated(20, 128, 16, 64)  # 20 rows: the tensor-core kernel
-    with pytest.raises(ValueError, match="CUDA-core"):
-        wo_matmul(h, kw.w, kw.scales, kw.zeros, gated=True)
-    with pytest.raises(ValueError, match="int4"):
-        q, s = quantize_per_channel(torch.randn(16, 128))
-        wo_matmul(h[:1], q.to(DEV), s.to(DEV), gated=True)
-    cpu = AwqKernelWeight(kw.w.cpu(), kw.scales.cpu(), kw.zeros.cpu())
-    assert not cpu.takes_gated(h[:1].cpu())  # the CPU takes the dequantized weight
-    with pytest.raises(ValueError):
-        cpu.matmul(h[:1].cpu(), gated=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -227,25 +190,3 @@ def test_packed_int4_keeps_large_and_small_activations_gpu(dtype: torch.dtype) -
                 packed = wo_matmul(x, kw.w, kw.scales, kw.zeros, replace(cfg, PACKED=1))
                 assert torch.isfinite(packed).all(), (magnitude, m, cfg)
                 assert _rel(packed, ref) < TOL[dtype], (magnitude, m, cfg)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_gated_down_product_gpu(dtype: torch.dtype) -> None:
-    """The down product of the Llama-3-8B shape (K 14336, N 4096) at 1-4 rows with the
-    gated activation in the kernel (default tiles: the packed path) against the unfused
-    silu_and_mul kernel followed by the product, and against float64."""
-    from srt.layers.fused_triton import silu_and_mul
-
-    a, kw = _awq(4096, 14336, 128, seed=5)
-    w = dequantize_awq(a.qweight, a.qzeros, a.scales, dtype).double()
-    for m in (1, 2, 3, 4):
-        h = _x(m, 2 * 14336, dtype, seed=m) * 3
-        act = silu_and_mul(h)
-        assert torch.equal(act, _gated_reference(h))
-        assert kw.takes_gated(h)
-        fused = kw.matmul(h, gated=True)
-        unfused = kw.matmul(act)
-        assert _rel(fused, act.double() @ w.t()) < TOL[dtype]
-        assert _rel(fused, unfused.double()) < TOL[dtype] / 4
