@@ -109,12 +109,15 @@ class AwqKernelWeight:
     [K/8, N] with eight consecutive input channels per word (IN_ORDER), `scales` [K/G, N] and
     `zeros` uint8 [K/G, N], so that output columns are contiguous, as the kernels read them.
     GPTQ checkpoints (srt/layers/gptq.py) load into it directly: their `qweight` is this `w`;
-    `perm` (GPTQ's act order) reorders the input channels of x to w's order before a product."""
+    `perm` (GPTQ's act order) reorders the input channels of x to w's order before a product;
+    with `pad_x`, entries of `perm` equal to x's width read a zero channel (act order in a
+    row-parallel shard, whose groups are padded to whole blocks)."""
 
     w: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
     perm: torch.Tensor | None = None
+    pad_x: bool = False
 
     @classmethod
     def from_checkpoint(cls, a: AwqWeight) -> "AwqKernelWeight":
@@ -136,7 +139,7 @@ class AwqKernelWeight:
         from srt.layers.quant_gemm_triton import DEQUANT_MIN_ROWS, dequantize_int4, wo_matmul
 
         if self.perm is not None:
-            x = x.index_select(-1, self.perm)
+            x = (F.pad(x, (0, 1)) if self.pad_x else x).index_select(-1, self.perm)
         if not x.is_cuda:
             return F.linear(x, self.dequantize(x.dtype))
         shape = x.shape

@@ -13,9 +13,14 @@ group over all K inputs):
 - `g_idx` int32 [K]: each input channel's group: consecutive runs of G channels (g_idx[k] =
   k // G) unless the checkpoint was quantized in activation order (desc_act), where it is a
   permutation of those. For the latter srt sorts the layer's input channels by group once
-  loaded and gathers x in that order before each product (one small kernel per product); a
-  row-parallel layer at --tp-size > 1 would need each rank's channels in whole groups, which
-  act order does not give: refused.
+  loaded and gathers x in that order before each product (one small kernel per product).
+
+A row-parallel layer at --tp-size > 1 reads every group's scales and zero points (act order
+spreads a group's channels over the ranks). With consecutive groups a rank keeps its own rows
+of them; in act order a rank sorts its channels by group and pads each group's run to whole
+blocks of `sub_group(G)` channels (zero activations, any weight), each block taking its
+group's scale and zero point: the kernels then see a layer of group size sub_group(G), a few
+blocks longer than the shard (about a quarter at G = 128 and --tp-size 2).
 
 The weight is w[n, k] = (q[k, n] - z[g, n]) * s[g, n] with g = g_idx[k] (in float32, then
 rounded to the activation dtype). Once loaded, a layer's GPTQ tensors become an
@@ -24,6 +29,7 @@ AwqKernelWeight (srt/layers/awq.py): the same kernels and CPU path serve both fo
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
@@ -32,6 +38,8 @@ from torch import nn
 from srt.layers.awq import IN_ORDER, PACK, AwqKernelWeight, install_kernel_weight, pack_awq, \
     unpack_awq
 from srt.layers.linear import tp_param
+
+logger = logging.getLogger(__name__)
 
 
 def pack_rows(values: torch.Tensor) -> torch.Tensor:
@@ -126,18 +134,27 @@ class GptqWeight:
         raise RuntimeError("a GPTQ layer computes once loaded (finish_gptq)")
 
 
+def _tables_whole(module: nn.Module, group: int) -> bool:
+    """Whether the layer's shard reads every group's scales and zero points: a row-parallel
+    layer at --tp-size > 1 (module docstring), or one group (-1)."""
+    from srt.layers.linear import RowParallelLinear
+
+    return group == -1 or (isinstance(module, RowParallelLinear) and module.tp_size > 1)
+
+
 def set_gptq(module: nn.Module, group: int) -> None:
     """Give a linear layer empty GPTQ parameters of its shard (`weight` goes), for the loader.
-    A row-parallel layer's shard holds whole groups; with one group (-1) every rank reads the
-    whole scales and zero points."""
+    A row-parallel layer's shard holds whole groups; at --tp-size > 1 and with one group (-1)
+    every rank reads the whole scales and zero points."""
     n, k = module.weight.shape  # this rank's shard
     dev = module.weight.device
     if n % PACK or k % PACK or (group != -1 and k % group):
         raise ValueError(f"a GPTQ layer's shard of {n} outputs x {k} inputs: the outputs and "
                          f"inputs must be multiples of {PACK} and the inputs of the group size "
                          f"{group} (a smaller --tp-size may fit)")
-    groups = 1 if group == -1 else k // group
-    in_dim = None if group == -1 else 0
+    whole = _tables_whole(module, group)
+    groups = 1 if group == -1 else k * (module.tp_size if whole else 1) // group
+    in_dim = None if whole else 0
     module.qweight = tp_param(torch.empty(k // PACK, n, dtype=torch.int32, device=dev), 1, 0, 1,
                               PACK)
     module.qzeros = tp_param(torch.empty(groups, n // PACK, dtype=torch.int32, device=dev), 1,
@@ -164,31 +181,81 @@ def prepare_gptq_checkpoint(model: nn.Module, quantized: Callable[[str], bool], 
     return count
 
 
+def sub_group(group: int) -> int:
+    """The block a row-parallel shard pads each act-order group's run to (module docstring):
+    small, to pad little, and a whole number of the kernels' word rows and tiles."""
+    return min(group, 32)
+
+
+def shard_act_order(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    g_local: torch.Tensor, sub: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A row-parallel shard of an act-order layer as a layer of group size `sub`: its channels
+    (packed rows `w` [K_r / 8, N], groups `g_local` [K_r]) sorted by group, each group's run
+    padded to whole blocks of `sub` channels; `scales` / `zeros` [groups, N] are every group's.
+    Returns (w' [K' / 8, N], scales' and zeros' [K' / sub, N], perm [K']): perm[j] is the
+    shard channel at row j, or K_r (a zero activation) for padding."""
+    k_r = g_local.numel()
+    order = torch.argsort(g_local, stable=True)
+    groups, counts = torch.unique_consecutive(g_local[order], return_counts=True)
+    padded = (counts + sub - 1) // sub * sub
+    run_start = torch.repeat_interleave(torch.cumsum(padded, 0) - padded, counts)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    rows = run_start + torch.arange(k_r) - first  # each sorted channel's row in the new layer
+    k_new = int(padded.sum())
+    perm = torch.full((k_new,), k_r, dtype=torch.int64)
+    perm[rows] = order
+    q = unpack_rows(w.cpu())
+    q_new = torch.zeros(k_new, q.shape[1], dtype=q.dtype)
+    q_new[rows] = q[order]
+    blocks = torch.repeat_interleave(groups, padded // sub).to(scales.device)
+    return (pack_rows(q_new).to(w.device), scales[blocks].contiguous(),
+            zeros[blocks].contiguous(), perm.to(w.device))
+
+
 def finish_gptq(model: nn.Module, v2: bool, group: int) -> int:
     """Once loaded: each GPTQ layer's tensors become an AwqKernelWeight (qweight as it is, or
     with its rows sorted by group for an act-order g_idx, the zero points unpacked), on the
-    CPU and the GPU alike. Returns how many layers."""
-    from srt.layers.linear import RowParallelLinear
-
+    CPU and the GPU alike; a row-parallel shard at --tp-size > 1 keeps its own groups' scales
+    and zero points, or in act order becomes shard_act_order's layer. The kept g_idx goes.
+    Returns how many layers."""
     count = 0
+    shard, padded = 0, 0  # input channels of act-order row-parallel shards, before / after
     for name, module in model.named_modules():
         quant: Any = getattr(module, "quant", None)
         if not isinstance(quant, GptqWeight):
             continue
         g_idx = getattr(module, "gptq_g_idx", None)
-        perm = None if g_idx is None else act_order(name, g_idx, group)
-        w = quant.qweight
-        if perm is not None:
-            if isinstance(module, RowParallelLinear) and module.tp_size > 1:
-                raise ValueError(f"{name}: an act-order (desc_act) checkpoint's row-parallel "
-                                 "layers cannot be cut into whole groups per rank: serve it "
-                                 "at --tp-size 1")
-            perm = perm.to(w.device)
-            w = pack_rows(unpack_rows(w)[perm])
+        if g_idx is not None:
+            del module.gptq_g_idx
+        w, scales = quant.qweight, quant.scales
         zeros = zeros_from_checkpoint(quant.qzeros, v2).to(torch.uint8)
-        kw = AwqKernelWeight(w, quant.scales.contiguous(), zeros, perm)
+        k_r = w.shape[0] * PACK
+        pad_x = False
+        if group != -1 and _tables_whole(module, group):  # a row-parallel shard, tp > 1
+            start = module.tp_rank * k_r
+            full = g_idx if g_idx is not None else _consecutive(k_r * module.tp_size, group)
+            if act_order(name, full, group) is None:
+                perm = None
+                rows = slice(start // group, (start + k_r) // group)
+                scales, zeros = scales[rows], zeros[rows]
+            else:
+                w, scales, zeros, perm = shard_act_order(
+                    w, scales, zeros, full[start:start + k_r], sub_group(group))
+                pad_x = True
+                shard, padded = shard + k_r, padded + perm.numel()
+        else:
+            perm = None if g_idx is None else act_order(name, g_idx, group)
+            if perm is not None:
+                perm = perm.to(w.device)
+                w = pack_rows(unpack_rows(w)[perm])
+        kw = AwqKernelWeight(w, scales.contiguous(), zeros, perm, pad_x)
         for attr in ("qweight", "qzeros", "scales"):
             delattr(module, attr)
         install_kernel_weight(module, kw)
         count += 1
+    if shard:
+        logger.info("GPTQ act order at --tp-size > 1: row-parallel shards sorted by group and "
+                    "padded to blocks of %d channels: %d input channels become %d (+%.1f%%)",
+                    sub_group(group), shard, padded, 100 * (padded / shard - 1))
     return count

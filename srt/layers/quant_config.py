@@ -21,8 +21,8 @@ Also loaded: AWQ int4 in AutoAWQ's GEMM layout (`{"quant_method": "awq", "bits":
 
 Also loaded: GPTQ int4 (`{"quant_method": "gptq", "bits": 4, "group_size": 128 | -1,
 "desc_act": ..., "sym": ..., "checkpoint_format": "gptq" | "gptq_v2"}`, as AutoGPTQ, GPTQModel
-and optimum write it; srt/layers/gptq.py), symmetric or not; act-order (desc_act) ones at
---tp-size 1 (each layer's g_idx read at load);
+and optimum write it; srt/layers/gptq.py), symmetric or not; act-order (desc_act) ones too
+(each layer's g_idx read at load);
 `modules_in_block_to_quantize` leaves the other layers in the model dtype; not for
 mixture-of-experts models.
 

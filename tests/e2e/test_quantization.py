@@ -361,25 +361,17 @@ def gptq_dequantized_reference(ckpt: str, v2: bool) -> Reference:
 @pytest.mark.parametrize("group,sym,v2,tp", [(64, True, False, 1), (32, False, True, 2)])
 def test_gptq_checkpoint_equals_its_dequantized_weights(llama: str, tmp_path: Any, group: int,
                                                         sym: bool, v2: bool, tp: int) -> None:
-    """GPTQ v1 symmetric (GPTQModel's default) in act order (desc_act: each layer's input
-    channels sorted by group at load) at TP 1, v2 asymmetric at TP 2."""
+    """GPTQ in act order (desc_act: each layer's input channels sorted by group at load): v1
+    symmetric (GPTQModel's default) at TP 1; v2 asymmetric at TP 2, where each rank's
+    row-parallel shard (o_proj, down_proj) reads every group's scales and pads its groups'
+    runs to whole blocks."""
     ckpt = str(tmp_path / f"gptq-g{group}")
-    write_gptq_checkpoint(llama, ckpt, group, sym, v2, act_order=tp == 1)
+    write_gptq_checkpoint(llama, ckpt, group, sym, v2, act_order=True)
     ref = gptq_dequantized_reference(ckpt, v2)
     _serve_and_check(ckpt, ref, f"gptq (int4, group {group})",
                      f"GPTQ checkpoint ({'gptq_v2' if v2 else 'gptq'}): 8 linear layers load "
                      f"in int4, group {group}",
                      "--tp-size", str(tp), *(["--quantization", "gptq"] if tp == 1 else []))
-
-
-def test_gptq_act_order_is_refused_above_tp_1(llama: str, tmp_path: Any) -> None:
-    """At TP 2 the row-parallel layers of an act-order checkpoint cannot hold whole groups
-    per rank: refused, naming it."""
-    ckpt = str(tmp_path / "gptq-act-order")
-    write_gptq_checkpoint(llama, ckpt, 64, True, False, act_order=True)
-    proc = start_fails(ckpt, "--tp-size", "2")
-    assert proc.returncode != 0
-    assert "an act-order (desc_act) checkpoint's row-parallel layers" in proc.stderr
 
 
 def _with_quant_config(src: str, dst: str, qc: dict[str, Any]) -> str:

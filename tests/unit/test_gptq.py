@@ -104,6 +104,58 @@ def test_a_linear_layer_serves_the_checkpoint_weight() -> None:
         torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-4 if ordered else 1e-5)
 
 
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("ordered", [False, True])
+def test_row_parallel_shards_sum_to_the_checkpoint_weight(group: int, ordered: bool) -> None:
+    """A row-parallel layer cut over two ranks (each rank's layer built here with its rank, the
+    outputs summed as the all-reduce would): every rank reads the whole scales and zero
+    points; with consecutive groups it keeps its own, in act order it becomes a layer of
+    sub_group(G) blocks over its channels sorted by group (runs padded with zero
+    activations). The sum of the shards' products equals the full dequantized weight's."""
+    from srt.layers.gptq import shard_act_order, sub_group
+    from srt.layers.linear import RowParallelLinear
+
+    g = torch.Generator().manual_seed(group + ordered)
+    k, n, tp = 256, 48, 2
+    tensors = quantize_gptq(torch.randn(n, k, generator=g), group, sym=False, v2=False)
+    if ordered:
+        tensors = (*tensors[:3], tensors[3][torch.randperm(k, generator=g)].contiguous())
+    x = torch.randn(3, k, generator=g)
+    total = torch.zeros(3, n)
+    for rank in range(tp):
+        layer = RowParallelLinear(k // tp, n)  # this rank's shard (the process group is 1)
+        layer.tp_rank, layer.tp_size = rank, tp
+        set_gptq(layer, group)
+        assert layer.scales.shape == (k // group, n)  # every group
+        rows = slice(rank * k // tp // 8, (rank + 1) * k // tp // 8)
+        for p, t in zip((layer.qweight, layer.qzeros, layer.scales),
+                        (tensors[0][rows], *tensors[1:3])):
+            p.data.copy_(t)
+        layer.gptq_g_idx = tensors[3].long()
+        finish_gptq(layer, False, group)
+        kw = layer.quant
+        assert (kw.perm is not None) == ordered and kw.pad_x == ordered
+        assert not hasattr(layer, "gptq_g_idx")
+        if ordered:
+            sub = sub_group(group)
+            k_new = kw.w.shape[0] * 8
+            assert kw.scales.shape == (k_new // sub, n) and k_new % sub == 0
+            assert k // tp <= k_new < k // tp + (k // group) * sub
+            real = kw.perm[kw.perm < k // tp]
+            assert torch.equal(real.sort().values, torch.arange(k // tp))  # each channel once
+        else:
+            assert kw.scales.shape == (k // tp // group, n)
+        total += layer(x[:, rank * k // tp:(rank + 1) * k // tp])
+    want = x @ dequantize_gptq(*tensors, torch.float32, False).t()
+    torch.testing.assert_close(total, want, rtol=0, atol=1e-4)
+    # a shard's padding reads zeros whatever the weight rows hold there
+    w, s_, z, perm = shard_act_order(tensors[0][:16], tensors[2],
+                                     zeros_from_checkpoint(tensors[1], False).to(torch.uint8),
+                                     torch.tensor([1] * 100 + [0] * 28), 32)
+    assert perm.numel() == 128 + 32 and (perm == 128).sum() == 32
+    assert torch.equal(perm[:28], torch.arange(100, 128))  # group 0 first
+
+
 def _ckpt(tmp_path: Any, qc: dict[str, Any], **cfg: Any) -> str:
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc, **cfg}))
     return str(tmp_path)
