@@ -114,7 +114,11 @@ def act_order(name: str, g_idx: torch.Tensor, group: int) -> torch.Tensor | None
 
 def keep_g_idx(module: nn.Module, name: str, g_idx: torch.Tensor) -> None:
     """Keep a checkpoint g_idx on its (possibly merged) layer for finish_gptq; the parts of a
-    merged layer (q / k / v, gate / up) share their input, so their orders must agree."""
+    merged layer (q / k / v, gate / up) share their input, so their orders must agree. A g_idx
+    of a layer not loaded as GPTQ is refused."""
+    if not isinstance(getattr(module, "quant", None), GptqWeight):
+        raise ValueError(f"{name}: a GPTQ g_idx for a layer the checkpoint's "
+                         "quantization_config does not quantize")
     g = g_idx.reshape(-1).to(torch.int64).cpu()
     kept = getattr(module, "gptq_g_idx", None)
     if kept is not None and not torch.equal(kept, g):
@@ -168,8 +172,8 @@ def set_gptq(module: nn.Module, group: int) -> None:
 
 def prepare_gptq_checkpoint(model: nn.Module, quantized: Callable[[str], bool], group: int) -> int:
     """Before loading a GPTQ checkpoint: every linear layer of the language model the
-    checkpoint quantizes gets its GPTQ parameters; returns how many. `gptq_group` on the model
-    tells its loader to keep each layer's g_idx (keep_g_idx)."""
+    checkpoint quantizes gets its GPTQ parameters; returns how many. (The loader keeps each
+    layer's g_idx: keep_g_idx.)"""
     from srt.layers.fp8 import quantizable_linears
 
     count = 0
@@ -177,7 +181,6 @@ def prepare_gptq_checkpoint(model: nn.Module, quantized: Callable[[str], bool], 
         if quantized(name):
             set_gptq(module, group)
             count += 1
-    model.gptq_group = group
     return count
 
 

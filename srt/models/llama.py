@@ -228,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name.endswith(".input_scale"):
                 continue  # a static activation scale: activations are scaled per token
-            if name.endswith(".g_idx") and getattr(self, "gptq_group", None) is not None:
+            if name.endswith(".g_idx"):  # GPTQ's input-channel groups
                 from srt.layers.gptq import keep_g_idx
 
                 owner = name[: -len(".g_idx")]

@@ -156,6 +156,21 @@ def test_row_parallel_shards_sum_to_the_checkpoint_weight(group: int, ordered: b
     assert torch.equal(perm[:28], torch.arange(100, 128))  # group 0 first
 
 
+def test_g_idx_only_for_gptq_layers() -> None:
+    """The loader keeps a g_idx on a GPTQ layer (whatever model holds it: no flag on the top
+    model, so a language model inside LLaVA keeps its own) and refuses one for a layer the
+    checkpoint's config leaves unquantized."""
+    from srt.layers.gptq import keep_g_idx
+    from srt.layers.linear import ColumnParallelLinear
+
+    plain, layer = ColumnParallelLinear(64, 16), ColumnParallelLinear(64, 16)
+    set_gptq(layer, 32)
+    keep_g_idx(layer, "l.g_idx", torch.arange(64, dtype=torch.int32) // 32)
+    assert layer.gptq_g_idx.dtype == torch.int64
+    with pytest.raises(ValueError, match="does not quantize"):
+        keep_g_idx(plain, "p.g_idx", torch.arange(64, dtype=torch.int32) // 32)
+
+
 def _ckpt(tmp_path: Any, qc: dict[str, Any], **cfg: Any) -> str:
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc, **cfg}))
     return str(tmp_path)
