@@ -217,11 +217,12 @@ def shard_act_order(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 
 
 def finish_gptq(model: nn.Module, v2: bool, group: int) -> int:
-    """Once loaded: each GPTQ layer's tensors become an AwqKernelWeight (qweight as it is, or
-    with its rows sorted by group for an act-order g_idx, the zero points unpacked), on the
-    CPU and the GPU alike; a row-parallel shard at --tp-size > 1 keeps its own groups' scales
-    and zero points, or in act order becomes shard_act_order's layer. The kept g_idx goes.
-    Returns how many layers."""
+    """Once loaded: each GPTQ layer's tensors become an AwqKernelWeight (qweight as it is, the
+    zero points unpacked), on the CPU and the GPU alike; a row-parallel shard at --tp-size > 1
+    keeps its own groups' scales and zero points. An act-order layer becomes shard_act_order's
+    layer over its (shard's) channels: in whole groups, so unpadded, except in a row-parallel
+    shard at --tp-size > 1 (blocks of sub_group(G)). The kept g_idx goes. Returns how many
+    layers."""
     count = 0
     shard, padded = 0, 0  # input channels of act-order row-parallel shards, before / after
     for name, module in model.named_modules():
@@ -234,25 +235,22 @@ def finish_gptq(model: nn.Module, v2: bool, group: int) -> int:
         w, scales = quant.qweight, quant.scales
         zeros = zeros_from_checkpoint(quant.qzeros, v2).to(torch.uint8)
         k_r = w.shape[0] * PACK
-        pad_x = False
-        if group != -1 and _tables_whole(module, group):  # a row-parallel shard, tp > 1
-            start = module.tp_rank * k_r
-            full = g_idx if g_idx is not None else _consecutive(k_r * module.tp_size, group)
-            if act_order(name, full, group) is None:
-                perm = None
+        split = group != -1 and _tables_whole(module, group)  # a row-parallel shard, tp > 1
+        start = module.tp_rank * k_r if split else 0
+        full = g_idx if g_idx is not None else _consecutive(
+            k_r * (module.tp_size if split else 1), group)
+        perm = None
+        if act_order(name, full, group) is None:
+            if split:
                 rows = slice(start // group, (start + k_r) // group)
                 scales, zeros = scales[rows], zeros[rows]
-            else:
-                w, scales, zeros, perm = shard_act_order(
-                    w, scales, zeros, full[start:start + k_r], sub_group(group))
-                pad_x = True
-                shard, padded = shard + k_r, padded + perm.numel()
         else:
-            perm = None if g_idx is None else act_order(name, g_idx, group)
-            if perm is not None:
-                perm = perm.to(w.device)
-                w = pack_rows(unpack_rows(w)[perm])
-        kw = AwqKernelWeight(w, scales.contiguous(), zeros, perm, pad_x)
+            w, scales, zeros, perm = shard_act_order(
+                w, scales, zeros, full[start:start + k_r], sub_group(group) if split else group)
+            if split:
+                shard, padded = shard + k_r, padded + perm.numel()
+        kw = AwqKernelWeight(w, scales.contiguous(), zeros, perm,
+                             pad_x=perm is not None and perm.numel() > k_r)
         for attr in ("qweight", "qzeros", "scales"):
             delattr(module, attr)
         install_kernel_weight(module, kw)

@@ -72,6 +72,7 @@ def test_step_backend_resolution() -> None:
         resolve_step_backends("torch", "flashinfer", None, "cpu")
     # an FP8 KV cache: auto stays on Triton for every step
     assert resolve_step_backends("auto", None, None, "cuda", fp8_kv=True) == ("triton", "triton")
+    assert resolve_step_backends("triton", None, None, "cuda", fp8_kv=True) == ("triton", "triton")
 
 
 def test_flashinfer_on_cpu_is_a_clear_startup_error(tiny_llama: str) -> None:
