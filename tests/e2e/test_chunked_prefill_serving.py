@@ -1,9 +1,12 @@
 """Long prompts without stalls, over HTTP on the real server (SmolLM2, float32, CPU):
 
 - with chunked prefill (chunks of 32 tokens, mixed steps), a long prompt arriving while 4
-  streams decode leaves no stream a gap longer than a few of its median gaps, and their outputs
-  equal those of the same requests run alone; with chunking off, the same run stalls the streams
-  for the whole prefill (the contrast that shows the measure can fail);
+  streams decode keeps them moving: while it is prefilled their mean gap stays within a few of
+  their median gaps, no gap comes near the whole prefill's length, and their outputs equal
+  those of the same requests run alone; with chunking off, the same run stalls the streams for
+  the whole prefill (the contrast that shows the measure can fail). The mean is the tight
+  bound because a 2-core machine can pause every process at once for a fraction of a second;
+  one such pause is a single gap of several steps, which the max bound tolerates;
 - with --stream-interval 1, a stream of 64 tokens arrives as 64 separate events spread over the
   decode (not in bursts of a round's steps), then [DONE].
 """
@@ -24,7 +27,8 @@ from tests.conftest import BASE_ARGS, ServerProcess
 STREAMS = 4
 STREAM_TOKENS = 96
 LONG_PROMPT = 1200
-GAP_FACTOR = 4.0  # "a few decode steps"
+GAP_FACTOR = 4.0  # "a few decode steps": bound on the mean gap during the long prefill
+STALL_FACTOR = 10.0  # bound on any gap; unchunked, the 1200-token prefill is ~35 median gaps
 
 
 def _stream(url: str, body: dict[str, Any]) -> tuple[list[float], list[int]]:
@@ -54,8 +58,11 @@ def _bodies() -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return streams, long
 
 
-def _run(server: ServerProcess) -> tuple[list[float], list[float], list[list[int]]]:
-    """Max and median gap of each stream while a long prompt arrives, and their outputs."""
+def _run(server: ServerProcess
+         ) -> tuple[list[float], list[float], list[float], list[list[int]]]:
+    """Each stream's max gap, median gap and mean gap while the long prompt was in the
+    server (from the first event after it was sent to the first after it returned), and
+    their outputs."""
     streams, long = _bodies()
     results: list[Any] = [None] * STREAMS
 
@@ -66,16 +73,22 @@ def _run(server: ServerProcess) -> tuple[list[float], list[float], list[list[int
     for t in threads:
         t.start()
     time.sleep(1.5)  # the streams are decoding
+    sent = time.monotonic()
     assert server.generate(long)["meta_info"]["completion_tokens"] == 4
+    returned = time.monotonic()
     for t in threads:
         t.join()
-    maxima, medians = [], []
+    maxima, medians, during = [], [], []
     for times, ids in results:
         gaps = [b - a for a, b in zip(times, times[1:])]
         assert len(ids) == STREAM_TOKENS
         maxima.append(max(gaps))
         medians.append(statistics.median(gaps))
-    return maxima, medians, [ids for _, ids in results]
+        first = next(i for i, t in enumerate(times) if t >= sent)
+        last = next(i for i, t in enumerate(times) if t >= returned)
+        assert last > first, "the stream ended before the long prompt was served"
+        during.append((times[last] - times[first]) / (last - first))
+    return maxima, medians, during, [ids for _, ids in results]
 
 
 def test_long_prompt_does_not_stall_streams(smollm2_dir: str) -> None:
@@ -84,7 +97,7 @@ def test_long_prompt_does_not_stall_streams(smollm2_dir: str) -> None:
                              "--enable-mixed-chunk"]).start()
     try:
         alone = [chunked.generate(b)["output_ids"] for b in streams]
-        maxima, medians, outputs = _run(chunked)
+        maxima, medians, during, outputs = _run(chunked)
         info = chunked.server_info()
         chunked.assert_kv_invariant()
     finally:
@@ -92,16 +105,18 @@ def test_long_prompt_does_not_stall_streams(smollm2_dir: str) -> None:
     assert info["prefill_chunks"] >= LONG_PROMPT // 32 - 1, info["prefill_chunks"]
     assert info["mixed_fill_steps"] > 0
     assert outputs == alone
-    for m, med in zip(maxima, medians):
-        assert m <= GAP_FACTOR * med, (maxima, medians)
+    for m, med, mean in zip(maxima, medians, during):
+        assert mean <= GAP_FACTOR * med, (during, medians)
+        assert m <= STALL_FACTOR * med, (maxima, medians)
 
     plain = ServerProcess([*BASE_ARGS, "--chunked-prefill-size", "-1"]).start()
     try:
-        maxima, medians, outputs = _run(plain)
+        maxima, medians, during, outputs = _run(plain)
     finally:
         plain.stop()
     assert outputs == alone
-    assert max(m / med for m, med in zip(maxima, medians)) > GAP_FACTOR, (maxima, medians)
+    assert max(m / med for m, med in zip(maxima, medians)) > STALL_FACTOR, (maxima, medians)
+    assert max(mean / med for mean, med in zip(during, medians)) > GAP_FACTOR, (during, medians)
 
 
 def test_stream_interval_one_sends_every_token_on_its_own(server: ServerProcess) -> None:
