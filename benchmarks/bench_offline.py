@@ -9,7 +9,9 @@ Reports output tokens per second of wall time and the floor of the same run: for
 every request starts at once, the sum over decode steps of max((weight bytes + KV bytes of all
 live contexts) / copy bandwidth, FLOPs / matmul rate), plus prefill FLOPs / matmul rate, with
 both rates measured here (per rank for --tp-size > 1: each rank holds 1/tp of weights, KV and
-FLOPs).
+FLOPs). The weight bytes are what the engine holds per rank (int4 / FP8 weights count as
+such), the KV bytes per token those of the pool's dtype, and with `--quantization fp8` the
+linear layers' FLOPs go at the FP8 `_scaled_mm` rate, also measured here.
 
 Also printed: the host time per decode step by batch-size bucket during the run (rank 0's
 phase counters, `srt/model_process/step_timing.py`). `--compare-hf` then runs the first
@@ -29,7 +31,8 @@ import time
 import torch
 
 from benchmarks.common import Shape, add_engine_args, copy_bandwidth, decode_step_times, \
-    hardware, matmul_rate, parse_with_server_args, print_table, start_engine, write_json
+    fp8_matmul_rate, hardware, matmul_rate, parse_with_server_args, print_table, start_engine, \
+    write_json
 from benchmarks.hf_baseline import run_hf_generate_batch
 from srt.model_process.step_timing import PHASES, per_step_ms
 
@@ -45,19 +48,24 @@ def w1_workload(num: int = 256) -> tuple[list[list[int]], list[int]]:
 
 
 def floor_seconds(shape: Shape, in_lens: list[int], out_lens: list[int], bw: float,
-                  flops: float, tp: int = 1) -> float:
-    """Lower bound on the wall time (see the module docstring)."""
-    weight_bytes = shape.params * 2 / tp
-    kv_tok = shape.kv_bytes_per_token() / tp
-    prefill = sum(2 * shape.matmul_params * n + shape.attention_flops(n) * n / 2
-                  for n in in_lens) / tp / flops
-    total = prefill
+                  flops: float, tp: int = 1, *, weight_bytes: float | None = None,
+                  kv_itemsize: int = 2, linear_flops: float | None = None) -> float:
+    """Lower bound on the wall time (see the module docstring). `weight_bytes`: per rank
+    (default: bf16 weights); `kv_itemsize`: bytes per KV element; `linear_flops`: the rate
+    of the linear layers' products (default `flops`, which attention always uses)."""
+    weight_bytes = shape.params * 2 / tp if weight_bytes is None else weight_bytes
+    linear_flops = linear_flops or flops
+    kv_tok = shape.kv_bytes_per_token(kv_itemsize) / tp
+
+    def compute_s(tokens: int, attn_flops: float) -> float:
+        return (2 * shape.matmul_params * tokens / linear_flops + attn_flops / flops) / tp
+
+    total = sum(compute_s(n, shape.attention_flops(n) * n / 2) for n in in_lens)  # prefill
     for step in range(max(out_lens)):
         live = [(i, o) for i, o in zip(in_lens, out_lens) if o > step]
         ctx = sum(i + step for i, _ in live)
         mem = (weight_bytes + kv_tok * ctx) / bw
-        fl = (2 * shape.matmul_params * len(live) + shape.attention_flops(1) * ctx) / tp / flops
-        total += max(mem, fl)
+        total += max(mem, compute_s(len(live), shape.attention_flops(1) * ctx))
     return total
 
 
@@ -119,10 +127,11 @@ def main() -> None:
     if a.output_len_cap:
         out_lens = [min(n, a.output_len_cap) for n in out_lens]
     bw, flops = copy_bandwidth(), matmul_rate()
+    fp8_flops = (fp8_matmul_rate() if torch.cuda.is_available()
+                 and a.server_args.get("quantization") == "fp8" else None)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the engine sizes its pool from the free memory
     shape = Shape.of(a.shape)
-    floor = floor_seconds(shape, [len(x) for x in prompts], out_lens, bw, flops, a.tp_size)
     hf_prompts = prompts[: a.hf_requests]
     engine, startup = start_engine(a, **a.server_args)
     with engine:
@@ -138,6 +147,10 @@ def main() -> None:
         srt_hf = srt_fixed_len(engine, hf_prompts, a.hf_output_len) if a.compare_hf else None
     produced = sum(o["meta_info"]["completion_tokens"] for o in outs)
     assert produced == sum(out_lens), (produced, sum(out_lens))
+    floor = floor_seconds(shape, [len(x) for x in prompts], out_lens, bw, flops, a.tp_size,
+                          weight_bytes=info["weight_bytes_per_rank"],
+                          kv_itemsize=getattr(torch, info["kv_cache_dtype"]).itemsize,
+                          linear_flops=fp8_flops)
     row = {
         "shape": a.shape, "tp": a.tp_size, "backend": info["attention_backend"],
         "quant": info["quantization"] or "-", "kv": info["kv_cache_dtype"],
@@ -163,7 +176,8 @@ def main() -> None:
                     ["runtime", "requests", "output_tokens", "wall_s", "out_tok_per_s"])
         print(f"srt / transformers generate_batch: {compare['srt_over_hf']:.2f}x")
     write_json(a.out, {"bench": "offline_w1", "argv": sys.argv, "hardware": hardware(),
-                       "copy_bandwidth_Bps": bw, "matmul_flops": flops, **row,
+                       "copy_bandwidth_Bps": bw, "matmul_flops": flops,
+                       "fp8_matmul_flops": fp8_flops, **row,
                        "decode_step_ms": steps, "wall_split": split, "compare_hf": compare})
 
 

@@ -149,6 +149,14 @@ def parse_with_server_args(p: Any, argv: list[str] | None = None) -> Any:
     return a
 
 
+def awq_config(group_size: int) -> dict[str, Any]:
+    """config.json fields for random AWQ int4 weights of this group size ({} for 0)."""
+    if not group_size:
+        return {}
+    return {"quantization_config": {"quant_method": "awq", "zero_point": True,
+                                    "group_size": group_size, "bits": 4, "version": "gemm"}}
+
+
 def start_engine(a: Any, *, shape_config: dict[str, Any] | None = None,
                  **overrides: Any) -> tuple[Any, float]:
     """An srt.Engine on the shape `a.shape` with random weights (`engine_kwargs(a)`, then
@@ -156,11 +164,7 @@ def start_engine(a: Any, *, shape_config: dict[str, Any] | None = None,
     config.json (`write_shape_dir`)."""
     import srt
 
-    shape_config = dict(shape_config or {})
-    if getattr(a, "awq_group_size", 0):
-        shape_config["quantization_config"] = {
-            "quant_method": "awq", "zero_point": True, "group_size": a.awq_group_size,
-            "bits": 4, "version": "gemm"}
+    shape_config = {**(shape_config or {}), **awq_config(getattr(a, "awq_group_size", 0))}
     model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix=f"srt-{a.shape}-"),
                                 **shape_config)
     t0 = time.perf_counter()
@@ -226,6 +230,18 @@ def matmul_rate(device: str | None = None, n: int | None = None) -> float:
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     ms = cuda_time_ms(lambda: a @ b)
+    return 2 * n**3 / (ms / 1e3)
+
+
+def fp8_matmul_rate(n: int = 8192) -> float:
+    """FLOP/s of an n^3 e4m3 product through torch._scaled_mm with row-wise scales (what
+    srt's FP8 layers run at large batches), bf16 out. GPU only."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.ones(n, 1, device="cuda")
+    sb = torch.ones(1, n, device="cuda")
+    ms = cuda_time_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb,
+                                               out_dtype=torch.bfloat16))
     return 2 * n**3 / (ms / 1e3)
 
 

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.common import Shape, write_shape_dir
+from benchmarks.common import Shape, awq_config, write_shape_dir
 
 
 def main() -> None:
@@ -35,6 +35,8 @@ def main() -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--awq-group-size", type=int, default=0, metavar="G",
+                   help="random AWQ int4 weights with this group size; 0: bf16")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--w1", action="store_true",
                    help="fill the first --batch prompts of workload W1 (lengths 100-1024), "
@@ -42,7 +44,8 @@ def main() -> None:
     p.add_argument("--profile-fill", action="store_true",
                    help="also print the GPU kernels of the fill rounds (torch.profiler)")
     a = p.parse_args()
-    model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix="srt-prof-"))
+    model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix="srt-prof-"),
+                                **awq_config(a.awq_group_size))
     if a.tp_size == 1:
         run_rank(0, a, model_dir, None)
     else:
