@@ -155,10 +155,17 @@ def check_tp_size(path: str, tp_size: int) -> None:
         )
 
 
+# --quantization values that name a checkpoint format srt reads as it is -> its quant_method
+# (the Marlin names are vLLM's / SGLang's kernel choices for the same AWQ / GPTQ checkpoints)
+CHECKPOINT_METHODS = {"awq": "awq", "gptq": "gptq", "awq_marlin": "awq",
+                      "gptq_marlin": "gptq", "compressed-tensors": "compressed-tensors"}
+
+
 def check_quantization(path: str, asked: str | None = None) -> None:
     """Refuse a pre-quantized checkpoint srt cannot load, naming its method (from config.json
-    alone, before any process starts; srt/layers/quant_config.py); and `--quantization awq` /
-    `gptq` for a checkpoint that is not one (srt quantizes to int4 only offline)."""
+    alone, before any process starts; srt/layers/quant_config.py); and a `--quantization`
+    naming a checkpoint format (CHECKPOINT_METHODS) for a checkpoint that is not in it (srt
+    quantizes to int4 only offline)."""
     from srt.layers.quant_config import checkpoint_quant
 
     ckpt = checkpoint_quant(path)
@@ -167,8 +174,9 @@ def check_quantization(path: str, asked: str | None = None) -> None:
         raise ValueError(f"--quantization fp8 on an {name} checkpoint: its int4 weights load "
                          f"as they are; drop --quantization (or pass --quantization "
                          f"{ckpt.method})")
-    if asked in ("awq", "gptq") and (ckpt is None or ckpt.method != asked):
-        name = asked.upper()
+    method = CHECKPOINT_METHODS.get(asked or "")
+    if method is not None and (ckpt is None or ckpt.method != method):
+        name = method.upper() if method != "compressed-tensors" else "FP8 compressed-tensors"
         raise ValueError(f"--quantization {asked} needs an {name} checkpoint "
-                         f"(quantization_config with quant_method '{asked}'); {path} is "
+                         f"(quantization_config with quant_method '{method}'); {path} is "
                          f"{'not quantized' if ckpt is None else 'quantized with ' + ckpt.method}")

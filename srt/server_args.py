@@ -48,14 +48,17 @@ class ServerArgs:
         None, "Weight quantization. fp8: the linear layers and experts of the language model "
         "quantized to FP8 (e4m3) at load, one scale per output channel; linear layers scale "
         "activations per token (GPU: torch._scaled_mm on Hopper or newer; CPU: dequantized per "
-        "product), experts are weight-only. awq / gptq: the checkpoint must be AWQ / GPTQ "
-        "int4 (detected from its quantization_config anyway).",
-        ("fp8", "awq", "gptq"))
+        "product), experts are weight-only (an FP8 checkpoint loads as it is). awq / gptq: the "
+        "checkpoint must be AWQ / GPTQ int4 (detected from its quantization_config anyway); "
+        "awq_marlin / gptq_marlin (vLLM's and SGLang's names for their Marlin kernels) serve "
+        "the same checkpoints on srt's int4 kernels; compressed-tensors: the checkpoint must be "
+        "llm-compressor's FP8.",
+        ("fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "compressed-tensors"))
     kv_cache_dtype: str = _f(
         "auto", "Storage dtype of the KV cache. auto: the model dtype. fp8_e4m3 (or fp8) / "
         "fp8_e5m2: one byte per value (the pool holds twice the tokens of bf16), a per-tensor "
-        "scale per layer from the checkpoint's k_scale / v_scale when present, else 1.0; torch "
-        "and triton attention (auto picks triton).",
+        "scale per layer from the checkpoint's k_scale / v_scale when present, else 1.0; every "
+        "attention backend reads it (auto picks triton).",
         ("auto", "fp8_e4m3", "fp8_e5m2", "fp8"))
     attention_backend: str = _f(
         "auto", "Attention implementation; auto picks triton on a GPU (its decode measured "

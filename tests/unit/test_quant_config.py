@@ -104,6 +104,24 @@ def test_quantization_flag_against_the_checkpoint(tmp_path: Any) -> None:
 
     awq = _ckpt(tmp_path, {"quant_method": "awq", "bits": 4, "group_size": 128})
     check_quantization(awq, "awq")
+    check_quantization(awq, "awq_marlin")  # vLLM's / SGLang's name for the same checkpoint
     with pytest.raises(ValueError, match="--quantization fp8 on an AWQ checkpoint"):
         check_quantization(awq, "fp8")
+    for other in ("gptq", "gptq_marlin", "compressed-tensors"):
+        with pytest.raises(ValueError, match=f"--quantization {other} needs an .* checkpoint "
+                           "\\(quantization_config with quant_method '[a-z-]+'\\); .* is "
+                           "quantized with awq"):
+            check_quantization(awq, other)
+    from srt.server_args import ServerArgs
+
+    for flag in ("awq_marlin", "gptq_marlin", "compressed-tensors"):  # the flag takes them
+        assert ServerArgs.from_cli(["--quantization", flag]).quantization == flag
+    for sub, qc, flags in [
+            ("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 128},
+             ("gptq", "gptq_marlin")),
+            ("ct", _ct(FP8_CHANNEL), ("compressed-tensors", "fp8"))]:
+        os.makedirs(tmp_path / sub)
+        path = _ckpt(tmp_path / sub, qc)
+        for flag in flags:
+            check_quantization(path, flag)
 
