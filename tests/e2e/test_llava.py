@@ -12,7 +12,9 @@ the CPU, against transformers as the oracle:
 - a local path under --allowed-local-media-path and an http URL with --allow-image-urls (a
   server on 127.0.0.1) give the same answer as the same image in base64 (this server runs at
   --tp-size 2 and is checked against transformers too);
-- /v1/chat/completions with an image_url data URI through the official openai client.
+- /v1/chat/completions with an image_url data URI through the official openai client;
+- a GPTQ checkpoint (language model in int4, act order) equals transformers holding its
+  dequantized weights.
 """
 
 from __future__ import annotations
@@ -118,8 +120,7 @@ class Oracle:
         return seq[start:], torch.log_softmax(logits[0].float(), -1)
 
 
-@pytest.fixture(scope="module")
-def oracle(model_dir: str) -> Oracle:
+def load_oracle(path: str) -> Oracle:
     import torch
     import transformers
     from transformers import AutoTokenizer, LlavaForConditionalGeneration
@@ -127,10 +128,15 @@ def oracle(model_dir: str) -> Oracle:
     # The Pillow backend: what our preprocessing reproduces (the torchvision one, when
     # installed, resizes slightly differently).
     proc_cls = getattr(transformers, "CLIPImageProcessorPil", transformers.CLIPImageProcessor)
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    return Oracle(model, proc_cls.from_pretrained(model_dir), tok,
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    return Oracle(model, proc_cls.from_pretrained(path), tok,
                   tok.convert_tokens_to_ids(IMAGE_TOKEN))
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dir: str) -> Oracle:
+    return load_oracle(model_dir)
 
 
 def _serve(path: str, *extra: str) -> ServerProcess:
@@ -157,28 +163,68 @@ def _generate(srv: ServerProcess, body: dict[str, Any]) -> Any:
 def test_greedy_and_logprobs_equal_transformers(server: ServerProcess, oracle: Oracle) -> None:
     res = _generate(server, {"text": PROMPTS, "image_data": [b64(i) for i in IMAGES],
                              "return_logprob": True, "logprob_start_len": 0})
-    vocab = oracle.model.config.text_config.vocab_size
     for prompt, image, r in zip(PROMPTS, IMAGES, res):
-        ids = oracle.tokenizer.encode(prompt)
-        greedy, lp = oracle.run(ids, image, NEW_TOKENS)
-        assert r["output_ids"] == greedy
-        got = r["meta_info"]["input_token_logprobs"]
-        got_ids = [t[1] for t in got]
-        # The image token became the image's pad ids: the token itself, then ids < vocab.
-        at = ids.index(oracle.image_token_id)
-        assert r["meta_info"]["prompt_tokens"] == len(ids) - 1 + IMAGE_POSITIONS
-        assert got_ids[:at] == ids[:at] and got_ids[at + IMAGE_POSITIONS:] == ids[at + 1:]
-        pads = got_ids[at : at + IMAGE_POSITIONS]
-        assert pads[0] == oracle.image_token_id and all(0 <= t < vocab for t in pads)
-        assert len(set(pads)) > IMAGE_POSITIONS // 2  # drawn from the hash, not one repeated id
-        # Every prompt position, image positions included, within TOL of transformers.
-        assert got[0][0] is None
-        want = [float(lp[p - 1, got_ids[p]]) for p in range(1, len(got_ids))]
-        assert [t[0] for t in got[1:]] == pytest.approx(want, abs=TOL)
-        out = [t[0] for t in r["meta_info"]["output_token_logprobs"]]
-        n = len(got_ids)
-        assert out == pytest.approx([float(lp[n - 1 + k, greedy[k]]) for k in range(NEW_TOKENS)],
-                                    abs=TOL)
+        _assert_equals_oracle(r, oracle, prompt, image)
+
+
+def _assert_equals_oracle(r: dict[str, Any], oracle: Oracle, prompt: str, image: bytes) -> None:
+    """One answer (greedy, logprobs from 0) against the oracle: output ids equal, every prompt
+    and output logprob within TOL, the image token expanded into hashed pad ids."""
+    vocab = oracle.model.config.text_config.vocab_size
+    ids = oracle.tokenizer.encode(prompt)
+    greedy, lp = oracle.run(ids, image, NEW_TOKENS)
+    assert r["output_ids"] == greedy
+    got = r["meta_info"]["input_token_logprobs"]
+    got_ids = [t[1] for t in got]
+    # The image token became the image's pad ids: the token itself, then ids < vocab.
+    at = ids.index(oracle.image_token_id)
+    assert r["meta_info"]["prompt_tokens"] == len(ids) - 1 + IMAGE_POSITIONS
+    assert got_ids[:at] == ids[:at] and got_ids[at + IMAGE_POSITIONS:] == ids[at + 1:]
+    pads = got_ids[at : at + IMAGE_POSITIONS]
+    assert pads[0] == oracle.image_token_id and all(0 <= t < vocab for t in pads)
+    assert len(set(pads)) > IMAGE_POSITIONS // 2  # drawn from the hash, not one repeated id
+    # Every prompt position, image positions included, within TOL of transformers.
+    assert got[0][0] is None
+    want = [float(lp[p - 1, got_ids[p]]) for p in range(1, len(got_ids))]
+    assert [t[0] for t in got[1:]] == pytest.approx(want, abs=TOL)
+    out = [t[0] for t in r["meta_info"]["output_token_logprobs"]]
+    n = len(got_ids)
+    assert out == pytest.approx([float(lp[n - 1 + k, greedy[k]]) for k in range(NEW_TOKENS)],
+                                abs=TOL)
+
+
+def test_gptq_language_model_in_act_order(model_dir: str, oracle: Oracle,
+                                          tmp_path: Any) -> None:
+    """A GPTQ checkpoint of the LLaVA (the language model's decoder layers in int4, v1
+    asymmetric, group 32, act order; the vision tower and projector in float32, as GPTQ tools
+    leave them) equals transformers holding the dequantized weights."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from tests.e2e.test_quantization import gptq_dequantized_state, write_gptq_checkpoint
+
+    ckpt, plain = str(tmp_path / "gptq"), str(tmp_path / "dequantized")
+    write_gptq_checkpoint(model_dir, ckpt, 32, sym=False, v2=False, act_order=True,
+                          select=lambda name: "language_model" in name)
+    shutil.copytree(model_dir, plain)
+    state = {k: t.contiguous() for k, t in gptq_dequantized_state(ckpt, v2=False).items()}
+    save_file(state, os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
+    ref = load_oracle(plain)
+    ids = ref.tokenizer.encode(PROMPTS[0])
+    _, lp_ref = ref.run(ids, IMAGES[0], NEW_TOKENS)
+    _, lp_unquantized = oracle.run(ids, IMAGES[0], NEW_TOKENS)
+    assert float((lp_ref - lp_unquantized).abs().max()) > 100 * TOL  # the check can tell
+    srv = _serve(ckpt)
+    try:
+        assert srv.server_info()["quantization"] == "gptq (int4, group 32)"
+        assert "GPTQ checkpoint (gptq): 8 linear layers load in int4, group 32" in srv.log()
+        res = _generate(srv, {"text": PROMPTS[:2], "image_data": [b64(i) for i in IMAGES[:2]],
+                              "return_logprob": True, "logprob_start_len": 0})
+        for prompt, image, r in zip(PROMPTS, IMAGES, res):
+            _assert_equals_oracle(r, ref, prompt, image)
+    finally:
+        srv.stop()
 
 
 def test_same_image_hits_cache_for_its_whole_span(server: ServerProcess,

@@ -93,16 +93,18 @@ def test_fp8_weights_equal_the_dequantized_reference(llama: str, tp: int) -> Non
 
 def rewrite_checkpoint(src: str, dst: str, quantize: Callable[[str, torch.Tensor],
                                                               dict[str, torch.Tensor]],
-                       qc: dict[str, Any]) -> None:
-    """A copy of the checkpoint at `src` in `dst` whose decoder linear weights are replaced by
-    `quantize(name without ".weight", weight)`'s tensors, with `quantization_config` qc."""
+                       qc: dict[str, Any], select: Callable[[str], bool] | None = None) -> None:
+    """A copy of the checkpoint at `src` in `dst` whose decoder linear weights (those of them
+    `select(name)` accepts, when given) are replaced by `quantize(name without ".weight",
+    weight)`'s tensors, with `quantization_config` qc."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
     tensors = load_file(os.path.join(src, "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if _leaf(name) in COLUMN + ROW + EXPERT_COLUMN + EXPERT_ROW:
+        if (_leaf(name) in COLUMN + ROW + EXPERT_COLUMN + EXPERT_ROW
+                and (select is None or select(name))):
             out.update(quantize(name[: -len(".weight")], t))
         else:
             out[name] = t
@@ -312,11 +314,13 @@ def test_awq_with_random_weights(llama: str, tmp_path: Any) -> None:
 
 
 def write_gptq_checkpoint(src: str, dst: str, group: int, sym: bool, v2: bool,
-                          act_order: bool = False) -> None:
+                          act_order: bool = False,
+                          select: Callable[[str], bool] | None = None) -> None:
     """The random Llama at `src` quantized by our own int4 quantizer into GPTQ's layout
-    (`qweight`, `qzeros`, `scales` float16, `g_idx` per decoder linear layer), with the
-    `quantization_config` GPTQModel writes. act_order: each layer's g_idx a permutation of
-    its groups, as desc_act leaves it (shared by the layers that share their input)."""
+    (`qweight`, `qzeros`, `scales` float16, `g_idx` per decoder linear layer; `select` as in
+    rewrite_checkpoint), with the `quantization_config` GPTQModel writes. act_order: each
+    layer's g_idx a permutation of its groups, as desc_act leaves it (shared by the layers
+    that share their input)."""
     from srt.layers.gptq import quantize_gptq
 
     def quantize(base: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -334,11 +338,16 @@ def write_gptq_checkpoint(src: str, dst: str, group: int, sym: bool, v2: bool,
         "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
         "sym": sym, "lm_head": False, "format": fmt, "checkpoint_format": fmt,
         "pack_dtype": "int32", "meta": {"damp_percent": 0.05, "true_sequential": True,
-                                        "static_groups": False}})
+                                        "static_groups": False}}, select)
 
 
 def gptq_dequantized_reference(ckpt: str, v2: bool) -> Reference:
     """transformers with every GPTQ layer of `ckpt` replaced by its dequantized weight."""
+    return plain_reference(ckpt, gptq_dequantized_state(ckpt, v2))
+
+
+def gptq_dequantized_state(ckpt: str, v2: bool) -> dict[str, torch.Tensor]:
+    """`ckpt`'s tensors in float32, each GPTQ layer's as its dequantized `weight`."""
     from safetensors.torch import load_file
 
     from srt.layers.gptq import dequantize_gptq
@@ -355,7 +364,7 @@ def gptq_dequantized_reference(ckpt: str, v2: bool) -> Reference:
                 torch.float32, v2)
         else:
             state[name] = t.float()
-    return plain_reference(ckpt, state)
+    return state
 
 
 @pytest.mark.parametrize("group,sym,v2,tp", [(64, True, False, 1), (32, False, True, 2)])
