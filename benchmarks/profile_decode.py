@@ -1,6 +1,7 @@
 """Where a decode step's time goes: the model process of each TP rank driven directly.
 
     python3 benchmarks/profile_decode.py --shape llama3-8b --batch 1 --steps 200 [--tp-size 2]
+        [--awq-group-size 128 | --quantization fp8] [--kv-cache-dtype fp8_e4m3]
 
 Starts a ModelProcess on the shape with random weights, fills `--batch` requests of
 `--input-len` tokens, then times `--steps` decode steps: wall time per step, the GPU time per step
@@ -37,6 +38,9 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--awq-group-size", type=int, default=0, metavar="G",
                    help="random AWQ int4 weights with this group size; 0: bf16")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: the random bf16 weights quantized at load")
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--w1", action="store_true",
                    help="fill the first --batch prompts of workload W1 (lengths 100-1024), "
@@ -68,7 +72,8 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
     args = ServerArgs(model_path=model_dir, tokenizer_path=model_dir, load_format="dummy",
                       dtype="bfloat16", attention_backend=a.attention_backend,
                       disable_cuda_graph=a.disable_cuda_graph,
-                      cuda_graph_max_bs=max(a.batch, 1), random_seed=0, tp_size=a.tp_size)
+                      cuda_graph_max_bs=max(a.batch, 1), random_seed=0, tp_size=a.tp_size,
+                      quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
     server = ModelProcess(args, rank, port)
     rng = random.Random(0)
     if a.w1:
@@ -143,7 +148,8 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
         return
     print(events.table(sort_by="self_device_time_total", row_limit=a.top))
     print(f"tp {a.tp_size} shape {a.shape} batch {a.batch} backend {server.runner.backend_name} "
-          f"graph {server.runner.graph_runner is not None}")
+          f"graph {server.runner.graph_runner is not None} quantization "
+          f"{server.runner.quantization} kv {server.runner.kv_cache_dtype}")
     print(f"wall per decode step {wall * 1e3:.3f} ms; GPU kernel time per step "
           f"{gpu_us / 1e3:.3f} ms; not covered by kernels {wall * 1e3 - gpu_us / 1e3:.3f} ms")
 

@@ -85,7 +85,8 @@ def _run(server: ServerProcess
         maxima.append(max(gaps))
         medians.append(statistics.median(gaps))
         first = next(i for i, t in enumerate(times) if t >= sent)
-        last = next(i for i, t in enumerate(times) if t >= returned)
+        # (or the stream's last event, should it end first)
+        last = next((i for i, t in enumerate(times) if t >= returned), len(times) - 1)
         assert last > first, "the stream ended before the long prompt was served"
         during.append((times[last] - times[first]) / (last - first))
     return maxima, medians, during, [ids for _, ids in results]
