@@ -11,7 +11,10 @@ weight-only kernel up to WEIGHT_ONLY_MAX_ROWS rows, else per-token activation qu
 launch gaps; the median of 20 replays), each on its own copy of the weight (copies of at
 least 200 MB together, so that weights come from memory, not the L2). The floor is the weight bytes over the copy bandwidth
 measured in the same run. `--sweep` also times the weight-only kernel's tiles (both formats)
-at each M and prints the best per layer, format and M next to the default's.
+at each M and prints the best per layer, format and M next to the default's. `--dtype
+float16` runs activations and the dense weight (the `bf16` columns) in float16 and adds
+`awq_words_ms`: the int4 kernel at its default tiles reading x as words of two channels
+(X_WORDS, packed path, float16 only; M <= 4), which the sweep also tries.
 """
 
 from __future__ import annotations
@@ -44,8 +47,19 @@ def graph_ms(fn: Callable[[int], Any]) -> float:
     return ms / REPS
 
 
-def sweep_configs(m: int, int4: bool, gemv_only: bool = False) -> list[Any]:
-    """The weight-only kernel's tiles tried at m rows (int4: BLOCK_K divides the group, 128)."""
+def sweep_configs(m: int, int4: bool, gemv_only: bool = False,
+                  x_words: bool = False) -> list[Any]:
+    """The weight-only kernel's tiles tried at m rows (int4: BLOCK_K divides the group, 128;
+    x_words: each packed int4 tile also with X_WORDS)."""
+    from dataclasses import replace
+
+    configs = _sweep_configs(m, int4, gemv_only)
+    if x_words:
+        configs += [replace(c, X_WORDS=1) for c in configs if c.PACKED]
+    return configs
+
+
+def _sweep_configs(m: int, int4: bool, gemv_only: bool) -> list[Any]:
     from srt.layers.quant_gemm_triton import WoConfig
 
     if int4:
@@ -82,13 +96,19 @@ def main() -> None:
                    help="the formats --sweep tries")
     p.add_argument("--gemv-only", action="store_true",
                    help="--sweep: only the CUDA-core kernel's tiles at M = 1")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                   help="of the activations and the dense weight")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    dtype = getattr(torch, a.dtype)
+    words = dtype == torch.float16
     if not torch.cuda.is_available():
         sys.exit("bench_quant_gemm needs a CUDA GPU")
     from srt.layers.awq import AwqKernelWeight, AwqWeight, quantize_awq
     from srt.layers.fp8 import Fp8Weight, quantize_per_channel
     from srt.layers.fp8_triton import quantize_per_token_triton
+    from dataclasses import replace
+
     from srt.layers.quant_gemm_triton import default_config, wo_matmul
 
     bw = copy_bandwidth()
@@ -96,7 +116,7 @@ def main() -> None:
     sweep_out: list[dict[str, Any]] = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in LAYERS.items():
-        w0 = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * k**-0.5
+        w0 = torch.randn(n, k, device="cuda", generator=g, dtype=dtype) * k**-0.5
         fp80 = Fp8Weight(*quantize_per_channel(w0))
         awq0 = AwqKernelWeight.from_checkpoint(
             AwqWeight(*(t.cuda() for t in quantize_awq(w0.float().cpu(), 128))))
@@ -114,13 +134,18 @@ def main() -> None:
                                     out_dtype=x.dtype)
 
         for m in a.rows:
-            x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+            x = torch.randn(m, k, device="cuda", generator=g, dtype=dtype)
             row: dict[str, Any] = {"layer": name, "M": m}
             row["bf16_ms"] = graph_ms(lambda i: F.linear(x, ws[i % len(ws)]))
             row["fp8_ms"] = graph_ms(lambda i: fp8s[i % len(fp8s)].matmul(x))
             row["fp8_smm_ms"] = (graph_ms(lambda i: smm(x, fp8s[i % len(fp8s)]))
                                  if fp80.scaled_mm else float("nan"))
             row["awq_ms"] = graph_ms(lambda i: awqs[i % len(awqs)].matmul(x))
+            if words and m <= 4:
+                wcfg = replace(default_config(m, n, k, True, 128), X_WORDS=1)
+                row["awq_words_ms"] = graph_ms(lambda i: wo_matmul(
+                    x, awqs[i % len(awqs)].w, awqs[i % len(awqs)].scales,
+                    awqs[i % len(awqs)].zeros, config=wcfg))
             for fmt in ("bf16", "fp8", "awq"):
                 row[f"{fmt}_x_floor"] = row[f"{fmt}_ms"] / floors[fmt]
             row["fp8_vs_bf16"] = row["bf16_ms"] / row["fp8_ms"]
@@ -129,11 +154,11 @@ def main() -> None:
         if not a.sweep:
             continue
         for m, int4 in itertools.product(a.sweep_rows, [f == "awq" for f in a.formats]):
-            x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+            x = torch.randn(m, k, device="cuda", generator=g, dtype=dtype)
             args = ([(a_.w, a_.scales, a_.zeros) for a_ in awqs] if int4
                     else [(f.qweight, f.scale) for f in fp8s])
             timed: list[tuple[float, Any]] = []
-            for cfg in sweep_configs(m, int4, a.gemv_only):
+            for cfg in sweep_configs(m, int4, a.gemv_only, x_words=words and int4):
                 try:
                     ms = graph_ms(lambda i: wo_matmul(x, *args[i % len(args)], config=cfg))
                 except Exception as e:  # a tile the compiler refuses (resources)
@@ -153,11 +178,16 @@ def main() -> None:
             print(sweep_out[-1], flush=True)  # kept if the run is cut short
     cols = ["layer", "M", "bf16_ms", "fp8_ms", "fp8_smm_ms", "awq_ms", "bf16_x_floor",
             "fp8_x_floor", "awq_x_floor", "fp8_vs_bf16", "awq_vs_bf16"]
+    if words:
+        cols.insert(6, "awq_words_ms")
+        for r in rows_out:
+            r.setdefault("awq_words_ms", float("nan"))
     print_table(rows_out, cols)
     if sweep_out:
         print_table(sweep_out, list(sweep_out[0]))
     write_json(a.out, {"bench": "quant_gemm", "argv": sys.argv, "hardware": hardware(),
-                       "copy_bandwidth_Bps": bw, "rows": rows_out, "sweep": sweep_out})
+                       "copy_bandwidth_Bps": bw, "dtype": a.dtype, "rows": rows_out,
+                       "sweep": sweep_out})
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@
 #   PART=tune     the GPU tests of the quantized products, bench_quant_gemm.py --sweep
 #   PART=awq      the GPU tests of the weight-only kernels, bench_quant_gemm.py at 1, 2 and 4 rows
 #                 with the AWQ tiles swept, batch-1 latency of bf16 and AWQ int4 weights
+#   PART=awq16    the GPU tests of the weight-only kernels, bench_quant_gemm.py in float16
+#                 (X_WORDS against the per-value loads, AWQ tiles swept at 1 and 2 rows),
+#                 batch-1 latency of bf16 and of AWQ int4 in float16
 #   PART=1|2|3    copy that part of the vLLM bundle (scripts/gpu_peer_run.sh), and
 #                 1: srt W1 / B1 / W2 with --quantization fp8; B1 of bf16 and AWQ int4
 #                 2: the same with --kv-cache-dtype fp8_e4m3 as well
@@ -19,7 +22,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 peer() { PART=$COPY bash scripts/gpu_peer_run.sh; }  # COPY: the bundle part to copy
-COPY=$PART; case $PART in kernels|tune|awq) COPY= ;; esac
+COPY=$PART; case $PART in kernels|tune|awq|awq16) COPY= ;; esac
 W="offline:llama3-8b latency:llama3-8b prefix:llama3-8b"
 case $PART in
   kernels)
@@ -42,14 +45,23 @@ case $PART in
         | tee -a "$OUT/tests.log"
     done
     SRT=quantgemm QG_ARGS="--sweep ${QG_EXTRA:-}" peer ;;
-  awq)
-    for t in tests/kernels/test_quant_gemm_triton.py tests/unit/test_awq.py; do
+  awq|awq16)
+    if [ "$PART" = awq ]; then
+      TESTS="tests/kernels/test_quant_gemm_triton.py tests/unit/test_awq.py" AWQ=awq
+      QG_ARGS="${QG_AWQ:---rows 1 2 4 --sweep --sweep-rows 1 2 4 --formats awq}"
+      AWQ_ARGS="--awq-group-size 128"
+    else
+      TESTS=tests/kernels/test_quant_gemm_triton.py AWQ=awq16
+      QG_ARGS="${QG_AWQ16:---dtype float16 --rows 1 2 --sweep --sweep-rows 1 2 --formats awq}"
+      AWQ_ARGS="--awq-group-size 128 --dtype float16"
+    fi
+    for t in $TESTS; do
       echo "== $t" | tee -a "$OUT/tests.log"
-      timeout 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider "$t" 2>&1 | tail -25 \
+      timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider "$t" 2>&1 | tail -25 \
         | tee -a "$OUT/tests.log"
     done
-    SRT=quantgemm QG_ARGS="${QG_AWQ:---rows 1 2 4 --sweep --sweep-rows 1 2 4 --formats awq}" peer
-    for cfg in "bf16:" "awq:--awq-group-size 128"; do
+    SRT=quantgemm QG_ARGS="$QG_ARGS" peer
+    for cfg in "bf16:" "$AWQ:$AWQ_ARGS"; do
       TAG=${cfg%%:*} SRT_ARGS="${cfg#*:}" SRT="latency:llama3-8b" peer
     done ;;
   1) TAG=fp8 SRT_ARGS="--quantization fp8" SRT=$W peer

@@ -18,7 +18,9 @@ Kernels:
   bits (see `_nibble`). The int4 one also shares loads of x between two column tiles
   (UNROLL_N) and decoded values between two rows (ROWS), and on a GPU with half-precision x
   computes in packed half precision (PACKED: inline PTX, two values per instruction; see
-  `_WORD_ASM`), which the interpreter cannot run.
+  `_WORD_ASM`), which the interpreter cannot run (the tests compile it for sm_90 through
+  ptxas on the CPU); X_WORDS reads float16 activations there as words of two channels
+  (off by default until measured on a GPU).
 - `_dot_kernel`, BLOCK_M rows per program on the tensor cores: the tile is dequantized to x's
   dtype and multiplied by tl.dot.
 All cut the output axis into BLOCK_N columns and optionally split K over SPLIT_K programs,
@@ -166,9 +168,18 @@ mov.b32 {lo, hi}, p;
 add.rn.f16 lo, lo, hi;
 cvt.f32.f16 $0, lo;
 }""")
-# 0x6400 x2: the bits of 1024.0 in both halves; 0x2c00 x2: 1/16 in both (runtime arguments,
-# so that they stay in registers)
-_PACKED_BITS = (0x64006400, 0x2C002C00)
+# Float16 activations read as 32-bit words (X_WORDS): a word holds channels (2i, 2i + 1);
+# one byte permute takes the pair (x_i, x_i+4) from two words (0x5410: both low halves,
+# 0x7632: both high halves) and one packed multiply scales it by 2^-6 (exact, rounded as the
+# float32 path rounds it): two instructions a pair instead of two loads, two conversions, two
+# multiplies and a pack.
+_PAIR_LO_ASM = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, $2, 0x5410; "
+                            "mul.rn.f16x2 $0, t, $3; }")
+_PAIR_HI_ASM = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, $2, 0x7632; "
+                            "mul.rn.f16x2 $0, t, $3; }")
+# 0x6400 x2: the bits of 1024.0 in both halves; 0x2c00 x2: 1/16 in both; 0x2400 x2: 2^-6 in
+# both (runtime arguments, so that they stay in registers)
+_PACKED_BITS = (0x64006400, 0x2C002C00, 0x24002400)
 # activations are scaled by 2^-6 into half precision: a pair's four products stay below
 # 65504 while |x| < 65504 (|q - z| <= 15), and only |x| < 2^-8 reaches fp16's subnormals
 _PACKED_X_SCALE = tl.constexpr(1.0 / 64.0)
@@ -198,6 +209,26 @@ def _x_pairs(xp, mask):
 
 
 @triton.jit
+def _x_pairs_words(xp, mask, x_scale):
+    """_x_pairs for float16 x, read as words of two channels (X_WORDS; xp as in _x_pairs,
+    4-byte aligned)."""
+    xw = xp.to(tl.pointer_type(tl.int32))
+    w0 = tl.load(xw, mask=mask, other=0)  # channels (0, 1)
+    w1 = tl.load(xw + 1, mask=mask, other=0)  # (2, 3)
+    w2 = tl.load(xw + 2, mask=mask, other=0)  # (4, 5)
+    w3 = tl.load(xw + 3, mask=mask, other=0)  # (6, 7)
+    x04 = tl.inline_asm_elementwise(_PAIR_LO_ASM, "=r,r,r,r", [w0, w2, x_scale],
+                                    dtype=tl.int32, is_pure=True, pack=1)
+    x15 = tl.inline_asm_elementwise(_PAIR_HI_ASM, "=r,r,r,r", [w0, w2, x_scale],
+                                    dtype=tl.int32, is_pure=True, pack=1)
+    x26 = tl.inline_asm_elementwise(_PAIR_LO_ASM, "=r,r,r,r", [w1, w3, x_scale],
+                                    dtype=tl.int32, is_pure=True, pack=1)
+    x37 = tl.inline_asm_elementwise(_PAIR_HI_ASM, "=r,r,r,r", [w1, w3, x_scale],
+                                    dtype=tl.int32, is_pure=True, pack=1)
+    return x04, x15, x26, x37
+
+
+@triton.jit
 def _zero_pairs(z):
     """The zero points (float32, per column) as the pairs _packed_part subtracts: 1024 + z
     from the values read at the low nibble position, -(64 + z) added to a sixteenth of those
@@ -217,9 +248,10 @@ def _packed_part(words, x04, x15, x26, x37, zlo, zhi, magic, sixteenth):
 @triton.jit
 def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
                       stride_w, stride_s, stride_z, stride_om, hi, lo, one, magic, sixteenth,
-                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLIT_K: tl.constexpr, UNROLL_N: tl.constexpr, ROWS: tl.constexpr,
-                      FOUR_SHIFTS: tl.constexpr, PACKED: tl.constexpr):
+                      x_scale, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, UNROLL_N: tl.constexpr,
+                      ROWS: tl.constexpr, FOUR_SHIFTS: tl.constexpr, PACKED: tl.constexpr,
+                      X_WORDS: tl.constexpr):
     # One group per tile (BLOCK_K divides GROUP); word row j of a tile holds channels 8 j + i
     # (bits 4 i). With 1 + q / 128 from _nibble,
     #   sum_i (q_i - z) x_i / 128 = sum_i (1 + q_i / 128) x_i - (1 + z / 128) sum_i x_i,
@@ -276,14 +308,21 @@ def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
             zhi_b = zhi_a
             if UNROLL_N == 2:
                 zlo_b, zhi_b = _zero_pairs(z_b)
-            x04, x15, x26, x37 = _x_pairs(x_row + wi * 8, mask_w)
+            if X_WORDS:
+                x04, x15, x26, x37 = _x_pairs_words(x_row + wi * 8, mask_w, x_scale)
+            else:
+                x04, x15, x26, x37 = _x_pairs(x_row + wi * 8, mask_w)
             acc_a0 += _packed_part(w_a, x04, x15, x26, x37, zlo_a, zhi_a, magic,
                                    sixteenth) * s_a[None, :]
             if UNROLL_N == 2:
                 acc_b0 += _packed_part(w_b, x04, x15, x26, x37, zlo_b, zhi_b, magic,
                                        sixteenth) * s_b[None, :]
             if ROWS == 2:
-                x04, x15, x26, x37 = _x_pairs(x_row + stride_xm + wi * 8, mask_w & has1)
+                if X_WORDS:
+                    x04, x15, x26, x37 = _x_pairs_words(x_row + stride_xm + wi * 8,
+                                                        mask_w & has1, x_scale)
+                else:
+                    x04, x15, x26, x37 = _x_pairs(x_row + stride_xm + wi * 8, mask_w & has1)
                 acc_a1 += _packed_part(w_a, x04, x15, x26, x37, zlo_a, zhi_a, magic,
                                        sixteenth) * s_a[None, :]
                 if UNROLL_N == 2:
@@ -459,6 +498,9 @@ class WoConfig:
     # CUDA-core int4 kernel: packed half-precision arithmetic (inline PTX) where it can run:
     # half-precision activations on a GPU (float32 and the interpreter take the float path)
     PACKED: int = 0
+    # packed path: float16 x read as words of two channels (_x_pairs_words; other dtypes and
+    # rows not 4-byte aligned take the per-value loads)
+    X_WORDS: int = 0
 
 
 def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
@@ -545,12 +587,14 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
     if gemv:
         if int4:
             grid = (triton.cdiv(m, cfg.ROWS), triton.cdiv(n, cfg.BLOCK_N * cfg.UNROLL_N), split)
+            packed = bool(cfg.PACKED) and x.is_cuda and x.dtype != torch.float32
+            words = (packed and bool(cfg.X_WORDS) and x.dtype == torch.float16
+                     and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0)
             _gemv_int4_kernel[grid](
                 x, w, s, z, out, ws, cnt, m, n, k, *strides, *_NIBBLE_BITS, *_PACKED_BITS,
                 GROUP=group, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_K=split,
                 UNROLL_N=cfg.UNROLL_N, ROWS=cfg.ROWS, FOUR_SHIFTS=x.dtype != torch.float32,
-                PACKED=bool(cfg.PACKED) and x.is_cuda and x.dtype != torch.float32,
-                num_warps=cfg.num_warps)
+                PACKED=packed, X_WORDS=words, num_warps=cfg.num_warps)
         else:
             _gemv_fp8_kernel[(triton.cdiv(n, cfg.BLOCK_N), m, split)](
                 x, w, s, out, ws, cnt, n, k, x.stride(0), w.stride(0), out.stride(0),

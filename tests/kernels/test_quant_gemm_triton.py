@@ -68,9 +68,12 @@ CONFIGS = [
     (5, WoConfig(16, 32, 32, 1, 4)),
     (19, WoConfig(16, 16, 64, 2, 4)),
 ]
-if DEV == "cuda":  # packed half-precision arithmetic (a GPU and half-precision x only)
+if DEV == "cuda":  # packed half-precision arithmetic (a GPU and half-precision x only;
+    # X_WORDS: float16 x read as words of two channels)
     CONFIGS += [(1, WoConfig(1, 32, 64, 3, 2, PACKED=1)),
-                (3, WoConfig(1, 16, 64, 2, 2, UNROLL_N=2, ROWS=2, PACKED=1))]
+                (3, WoConfig(1, 16, 64, 2, 2, UNROLL_N=2, ROWS=2, PACKED=1)),
+                (1, WoConfig(1, 32, 64, 3, 2, PACKED=1, X_WORDS=1)),
+                (3, WoConfig(1, 16, 64, 2, 2, UNROLL_N=2, ROWS=2, PACKED=1, X_WORDS=1))]
 
 
 # bfloat16 only on the GPU: Triton's interpreter keeps bfloat16 in float32 storage, so the
@@ -187,6 +190,67 @@ def test_packed_int4_keeps_large_and_small_activations_gpu(dtype: torch.dtype) -
             x[0, :7] = torch.tensor([magnitude * 3, -magnitude * 3, 0, 0, 0, 0, 0])
             ref = x.double() @ w.t()
             for cfg in tiles:
-                packed = wo_matmul(x, kw.w, kw.scales, kw.zeros, replace(cfg, PACKED=1))
-                assert torch.isfinite(packed).all(), (magnitude, m, cfg)
-                assert _rel(packed, ref) < TOL[dtype], (magnitude, m, cfg)
+                for words in (0, 1):  # (X_WORDS: float16 only; bfloat16 takes the other path)
+                    c = replace(cfg, PACKED=1, X_WORDS=words)
+                    packed = wo_matmul(x, kw.w, kw.scales, kw.zeros, c)
+                    assert torch.isfinite(packed).all(), (magnitude, m, c)
+                    assert _rel(packed, ref) < TOL[dtype], (magnitude, m, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_x_words_only_on_aligned_float16_rows_gpu() -> None:
+    """X_WORDS reads float16 x as 4-byte words: rows of an odd stride, or a first row at an
+    odd half-word, take the per-value loads (still right); split K off, so that the paths can
+    be compared bit for bit (the pairs are the same numbers either way)."""
+    a, kw = _awq(4096, 4096, 128, seed=12)
+    w = dequantize_awq(a.qweight, a.qzeros, a.scales, torch.float16).double()
+    cfg = WoConfig(1, 32, 128, 1, 2, PACKED=1)
+    for m in (1, 2, 3):
+        x = _x(m, 4096, torch.float16, seed=m)
+        odd_stride = torch.zeros(m, 4097, dtype=torch.float16, device=DEV)[:, :4096]
+        odd_stride.copy_(x)
+        odd_start = torch.zeros(m * 4096 + 1, dtype=torch.float16, device=DEV)[1:].view(m, 4096)
+        odd_start.copy_(x)
+        for rows in (1, 2):
+            want = wo_matmul(x, kw.w, kw.scales, kw.zeros, replace(cfg, ROWS=rows))
+            assert _rel(want, x.double() @ w.t()) < TOL[torch.float16]
+            for xx in (x, odd_stride, odd_start):
+                got = wo_matmul(xx, kw.w, kw.scales, kw.zeros, replace(cfg, X_WORDS=1,
+                                                                         ROWS=rows))
+                assert torch.equal(got, want), (m, rows, xx.stride(), xx.data_ptr() % 4)
+
+
+def _ptxas() -> str | None:
+    import shutil
+
+    try:
+        import triton.backends.nvidia as nv
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+    return path if os.path.exists(path) else shutil.which("ptxas")
+
+
+@pytest.mark.skipif(_ptxas() is None, reason="Triton's NVIDIA backend has no ptxas here")
+@pytest.mark.parametrize("x_dtype,words,rows,unroll", [
+    ("fp16", 0, 1, 1), ("fp16", 1, 1, 1), ("fp16", 1, 2, 2), ("bf16", 0, 2, 1)], ids=str)
+def test_packed_path_compiles_for_sm90(x_dtype: str, words: int, rows: int,
+                                       unroll: int) -> None:
+    """The packed path's inline PTX is GPU-only (the interpreter cannot run it): compiled
+    here for an H100/H200 through ptxas, in a process outside the interpreter. X_WORDS takes
+    its pairs with byte permutes (four per word row and row of x), the per-value path none."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "kernels",
+                                                        "compile_sm90.py"),
+                           x_dtype, str(words), str(rows), str(unroll)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cubin, prmt = map(int, proc.stdout.split())
+    assert cubin > 0
+    assert (prmt > 0) == bool(words), prmt
