@@ -12,9 +12,9 @@ launch gaps; the median of 20 replays), each on its own copy of the weight (copi
 least 200 MB together, so that weights come from memory, not the L2). The floor is the weight bytes over the copy bandwidth
 measured in the same run. `--sweep` also times the weight-only kernel's tiles (both formats)
 at each M and prints the best per layer, format and M next to the default's. `--dtype
-float16` runs activations and the dense weight (the `bf16` columns) in float16 and adds
+float16` runs activations and the dense weight (the `bf16` columns) in float16.
 `awq_words_ms`: the int4 kernel at its default tiles reading x as words of two channels
-(X_WORDS, packed path, float16 only; M <= 4), which the sweep also tries.
+(X_WORDS, packed path; M <= 4), which the sweep also tries.
 """
 
 from __future__ import annotations
@@ -101,7 +101,6 @@ def main() -> None:
     p.add_argument("--out", default=None)
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
-    words = dtype == torch.float16
     if not torch.cuda.is_available():
         sys.exit("bench_quant_gemm needs a CUDA GPU")
     from srt.layers.awq import AwqKernelWeight, AwqWeight, quantize_awq
@@ -141,7 +140,7 @@ def main() -> None:
             row["fp8_smm_ms"] = (graph_ms(lambda i: smm(x, fp8s[i % len(fp8s)]))
                                  if fp80.scaled_mm else float("nan"))
             row["awq_ms"] = graph_ms(lambda i: awqs[i % len(awqs)].matmul(x))
-            if words and m <= 4:
+            if m <= 4:
                 wcfg = replace(default_config(m, n, k, True, 128), X_WORDS=1)
                 row["awq_words_ms"] = graph_ms(lambda i: wo_matmul(
                     x, awqs[i % len(awqs)].w, awqs[i % len(awqs)].scales,
@@ -158,7 +157,7 @@ def main() -> None:
             args = ([(a_.w, a_.scales, a_.zeros) for a_ in awqs] if int4
                     else [(f.qweight, f.scale) for f in fp8s])
             timed: list[tuple[float, Any]] = []
-            for cfg in sweep_configs(m, int4, a.gemv_only, x_words=words and int4):
+            for cfg in sweep_configs(m, int4, a.gemv_only, x_words=int4):
                 try:
                     ms = graph_ms(lambda i: wo_matmul(x, *args[i % len(args)], config=cfg))
                 except Exception as e:  # a tile the compiler refuses (resources)
@@ -178,10 +177,9 @@ def main() -> None:
             print(sweep_out[-1], flush=True)  # kept if the run is cut short
     cols = ["layer", "M", "bf16_ms", "fp8_ms", "fp8_smm_ms", "awq_ms", "bf16_x_floor",
             "fp8_x_floor", "awq_x_floor", "fp8_vs_bf16", "awq_vs_bf16"]
-    if words:
-        cols.insert(6, "awq_words_ms")
-        for r in rows_out:
-            r.setdefault("awq_words_ms", float("nan"))
+    cols.insert(6, "awq_words_ms")
+    for r in rows_out:
+        r.setdefault("awq_words_ms", float("nan"))
     print_table(rows_out, cols)
     if sweep_out:
         print_table(sweep_out, list(sweep_out[0]))

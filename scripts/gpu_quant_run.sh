@@ -5,9 +5,9 @@
 #   PART=tune     the GPU tests of the quantized products, bench_quant_gemm.py --sweep
 #   PART=awq      the GPU tests of the weight-only kernels, bench_quant_gemm.py at 1, 2 and 4 rows
 #                 with the AWQ tiles swept, batch-1 latency of bf16 and AWQ int4 weights
-#   PART=awq16    the GPU tests of the weight-only kernels, bench_quant_gemm.py in float16
-#                 (X_WORDS against the per-value loads, AWQ tiles swept at 1 and 2 rows),
-#                 batch-1 latency of bf16 and of AWQ int4 in float16
+#   PART=awq16    the GPU tests of the weight-only kernels, bench_quant_gemm.py at 1 and 2
+#                 rows in float16 and in bfloat16 (awq_words_ms: X_WORDS), batch-1 latency
+#                 of bf16 and of AWQ int4 in bfloat16 and in float16
 #   PART=1|2|3    copy that part of the vLLM bundle (scripts/gpu_peer_run.sh), and
 #                 1: srt W1 / B1 / W2 with --quantization fp8; B1 of bf16 and AWQ int4
 #                 2: the same with --kv-cache-dtype fp8_e4m3 as well
@@ -46,22 +46,23 @@ case $PART in
     done
     SRT=quantgemm QG_ARGS="--sweep ${QG_EXTRA:-}" peer ;;
   awq|awq16)
-    if [ "$PART" = awq ]; then
-      TESTS="tests/kernels/test_quant_gemm_triton.py tests/unit/test_awq.py" AWQ=awq
-      QG_ARGS="${QG_AWQ:---rows 1 2 4 --sweep --sweep-rows 1 2 4 --formats awq}"
-      AWQ_ARGS="--awq-group-size 128"
-    else
-      TESTS=tests/kernels/test_quant_gemm_triton.py AWQ=awq16
-      QG_ARGS="${QG_AWQ16:---dtype float16 --rows 1 2 --sweep --sweep-rows 1 2 --formats awq}"
-      AWQ_ARGS="--awq-group-size 128 --dtype float16"
-    fi
+    TESTS=tests/kernels/test_quant_gemm_triton.py
+    [ "$PART" = awq ] && TESTS="$TESTS tests/unit/test_awq.py"
     for t in $TESTS; do
       echo "== $t" | tee -a "$OUT/tests.log"
       timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider "$t" 2>&1 | tail -25 \
         | tee -a "$OUT/tests.log"
     done
-    SRT=quantgemm QG_ARGS="$QG_ARGS" peer
-    for cfg in "bf16:" "$AWQ:$AWQ_ARGS"; do
+    if [ "$PART" = awq ]; then
+      SRT=quantgemm QG_ARGS="${QG_AWQ:---rows 1 2 4 --sweep --sweep-rows 1 2 4 --formats awq}" peer
+    else
+      for dt in float16 bfloat16; do
+        TAG=$dt SRT=quantgemm QG_ARGS="--dtype $dt --rows 1 2 ${QG_AWQ16:-}" peer
+      done
+    fi
+    configs=("bf16:" "awq:--awq-group-size 128")
+    [ "$PART" = awq16 ] && configs+=("awq16:--awq-group-size 128 --dtype float16")
+    for cfg in "${configs[@]}"; do
       TAG=${cfg%%:*} SRT_ARGS="${cfg#*:}" SRT="latency:llama3-8b" peer
     done ;;
   1) TAG=fp8 SRT_ARGS="--quantization fp8" SRT=$W peer

@@ -19,8 +19,8 @@ Kernels:
   (UNROLL_N) and decoded values between two rows (ROWS), and on a GPU with half-precision x
   computes in packed half precision (PACKED: inline PTX, two values per instruction; see
   `_WORD_ASM`), which the interpreter cannot run (the tests compile it for sm_90 through
-  ptxas on the CPU); X_WORDS reads float16 activations there as words of two channels
-  (off by default until measured on a GPU).
+  ptxas on the CPU); X_WORDS reads half-precision activations there as words of two
+  channels (off by default until measured on a GPU).
 - `_dot_kernel`, BLOCK_M rows per program on the tensor cores: the tile is dequantized to x's
   dtype and multiplied by tl.dot.
 All cut the output axis into BLOCK_N columns and optionally split K over SPLIT_K programs,
@@ -177,6 +177,15 @@ _PAIR_LO_ASM = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, $2, 0x5410; "
                             "mul.rn.f16x2 $0, t, $3; }")
 _PAIR_HI_ASM = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, $2, 0x7632; "
                             "mul.rn.f16x2 $0, t, $3; }")
+# Bfloat16 words: a value's float32 is its bits moved up (low half) or masked (high half),
+# scaled by 2^-6 (0f3C800000) and the pair converted at once, as the per-value path does it
+# ($3 unused: the same operands as the float16 pair).
+_BF_PAIR_LO_ASM = tl.constexpr(
+    "{ .reg .b32 a, b; shl.b32 a, $1, 16; shl.b32 b, $2, 16; mul.rn.f32 a, a, 0f3C800000; "
+    "mul.rn.f32 b, b, 0f3C800000; cvt.rn.f16x2.f32 $0, b, a; }")
+_BF_PAIR_HI_ASM = tl.constexpr(
+    "{ .reg .b32 a, b; and.b32 a, $1, 0xffff0000; and.b32 b, $2, 0xffff0000; "
+    "mul.rn.f32 a, a, 0f3C800000; mul.rn.f32 b, b, 0f3C800000; cvt.rn.f16x2.f32 $0, b, a; }")
 # 0x6400 x2: the bits of 1024.0 in both halves; 0x2c00 x2: 1/16 in both; 0x2400 x2: 2^-6 in
 # both (runtime arguments, so that they stay in registers)
 _PACKED_BITS = (0x64006400, 0x2C002C00, 0x24002400)
@@ -209,23 +218,34 @@ def _x_pairs(xp, mask):
 
 
 @triton.jit
-def _x_pairs_words(xp, mask, x_scale):
-    """_x_pairs for float16 x, read as words of two channels (X_WORDS; xp as in _x_pairs,
-    4-byte aligned)."""
+def _word_pair(a, b, x_scale, HIGH: tl.constexpr, BF16: tl.constexpr):
+    """The half-precision pair (a's, b's) low (HIGH 0) or high halves, scaled by 2^-6."""
+    if BF16 and HIGH:
+        p = tl.inline_asm_elementwise(_BF_PAIR_HI_ASM, "=r,r,r,r", [a, b, x_scale],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    elif BF16:
+        p = tl.inline_asm_elementwise(_BF_PAIR_LO_ASM, "=r,r,r,r", [a, b, x_scale],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    elif HIGH:
+        p = tl.inline_asm_elementwise(_PAIR_HI_ASM, "=r,r,r,r", [a, b, x_scale],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        p = tl.inline_asm_elementwise(_PAIR_LO_ASM, "=r,r,r,r", [a, b, x_scale],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    return p
+
+
+@triton.jit
+def _x_pairs_words(xp, mask, x_scale, BF16: tl.constexpr):
+    """_x_pairs for half-precision x read as words of two channels (X_WORDS; xp as in
+    _x_pairs, 4-byte aligned)."""
     xw = xp.to(tl.pointer_type(tl.int32))
     w0 = tl.load(xw, mask=mask, other=0)  # channels (0, 1)
     w1 = tl.load(xw + 1, mask=mask, other=0)  # (2, 3)
     w2 = tl.load(xw + 2, mask=mask, other=0)  # (4, 5)
     w3 = tl.load(xw + 3, mask=mask, other=0)  # (6, 7)
-    x04 = tl.inline_asm_elementwise(_PAIR_LO_ASM, "=r,r,r,r", [w0, w2, x_scale],
-                                    dtype=tl.int32, is_pure=True, pack=1)
-    x15 = tl.inline_asm_elementwise(_PAIR_HI_ASM, "=r,r,r,r", [w0, w2, x_scale],
-                                    dtype=tl.int32, is_pure=True, pack=1)
-    x26 = tl.inline_asm_elementwise(_PAIR_LO_ASM, "=r,r,r,r", [w1, w3, x_scale],
-                                    dtype=tl.int32, is_pure=True, pack=1)
-    x37 = tl.inline_asm_elementwise(_PAIR_HI_ASM, "=r,r,r,r", [w1, w3, x_scale],
-                                    dtype=tl.int32, is_pure=True, pack=1)
-    return x04, x15, x26, x37
+    return (_word_pair(w0, w2, x_scale, 0, BF16), _word_pair(w0, w2, x_scale, 1, BF16),
+            _word_pair(w1, w3, x_scale, 0, BF16), _word_pair(w1, w3, x_scale, 1, BF16))
 
 
 @triton.jit
@@ -309,7 +329,8 @@ def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
             if UNROLL_N == 2:
                 zlo_b, zhi_b = _zero_pairs(z_b)
             if X_WORDS:
-                x04, x15, x26, x37 = _x_pairs_words(x_row + wi * 8, mask_w, x_scale)
+                x04, x15, x26, x37 = _x_pairs_words(x_row + wi * 8, mask_w, x_scale,
+                                                    X_WORDS == 2)
             else:
                 x04, x15, x26, x37 = _x_pairs(x_row + wi * 8, mask_w)
             acc_a0 += _packed_part(w_a, x04, x15, x26, x37, zlo_a, zhi_a, magic,
@@ -320,7 +341,7 @@ def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
             if ROWS == 2:
                 if X_WORDS:
                     x04, x15, x26, x37 = _x_pairs_words(x_row + stride_xm + wi * 8,
-                                                        mask_w & has1, x_scale)
+                                                        mask_w & has1, x_scale, X_WORDS == 2)
                 else:
                     x04, x15, x26, x37 = _x_pairs(x_row + stride_xm + wi * 8, mask_w & has1)
                 acc_a1 += _packed_part(w_a, x04, x15, x26, x37, zlo_a, zhi_a, magic,
@@ -498,8 +519,8 @@ class WoConfig:
     # CUDA-core int4 kernel: packed half-precision arithmetic (inline PTX) where it can run:
     # half-precision activations on a GPU (float32 and the interpreter take the float path)
     PACKED: int = 0
-    # packed path: float16 x read as words of two channels (_x_pairs_words; other dtypes and
-    # rows not 4-byte aligned take the per-value loads)
+    # packed path: half-precision x read as words of two channels (_x_pairs_words; rows
+    # not 4-byte aligned take the per-value loads)
     X_WORDS: int = 0
 
 
@@ -588,8 +609,9 @@ def wo_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor
         if int4:
             grid = (triton.cdiv(m, cfg.ROWS), triton.cdiv(n, cfg.BLOCK_N * cfg.UNROLL_N), split)
             packed = bool(cfg.PACKED) and x.is_cuda and x.dtype != torch.float32
-            words = (packed and bool(cfg.X_WORDS) and x.dtype == torch.float16
-                     and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0)
+            # X_WORDS in the kernel: 1 float16 words, 2 bfloat16 words, 0 per-value loads
+            words = (packed and bool(cfg.X_WORDS) and x.stride(0) % 2 == 0
+                     and x.data_ptr() % 4 == 0) * (1 if x.dtype == torch.float16 else 2)
             _gemv_int4_kernel[grid](
                 x, w, s, z, out, ws, cnt, m, n, k, *strides, *_NIBBLE_BITS, *_PACKED_BITS,
                 GROUP=group, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_K=split,

@@ -4,6 +4,8 @@ rather than on the first GPU. Run as a script (outside Triton's interpreter):
 
     python tests/kernels/compile_sm90.py X_DTYPE X_WORDS ROWS UNROLL_N
 
+(X_DTYPE fp16 or bf16; X_WORDS 0 or 1: the kernel's constant is 1 for float16, 2 for
+bfloat16, as wo_matmul sets it)
 prints the cubin's size and the number of byte permutes (prmt) in the PTX."""
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ CONSTEXPR = ("GROUP", "BLOCK_N", "BLOCK_K", "SPLIT_K", "UNROLL_N", "ROWS", "FOUR
 
 
 def main() -> None:
-    x_dtype, words, rows, unroll = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), \
-        int(sys.argv[4])
+    x_dtype, rows, unroll = sys.argv[1], int(sys.argv[3]), int(sys.argv[4])
+    words = int(sys.argv[2]) * (1 if x_dtype == "fp16" else 2)
     ptrs = {"x_ptr": x_dtype, "w_ptr": "i32", "s_ptr": x_dtype, "z_ptr": "u8",
             "out_ptr": x_dtype, "ws_ptr": "fp32", "cnt_ptr": "i32"}
     fn = _gemv_int4_kernel

@@ -190,7 +190,7 @@ def test_packed_int4_keeps_large_and_small_activations_gpu(dtype: torch.dtype) -
             x[0, :7] = torch.tensor([magnitude * 3, -magnitude * 3, 0, 0, 0, 0, 0])
             ref = x.double() @ w.t()
             for cfg in tiles:
-                for words in (0, 1):  # (X_WORDS: float16 only; bfloat16 takes the other path)
+                for words in (0, 1):  # per-value loads, or x read as words (X_WORDS)
                     c = replace(cfg, PACKED=1, X_WORDS=words)
                     packed = wo_matmul(x, kw.w, kw.scales, kw.zeros, c)
                     assert torch.isfinite(packed).all(), (magnitude, m, c)
@@ -199,22 +199,24 @@ def test_packed_int4_keeps_large_and_small_activations_gpu(dtype: torch.dtype) -
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_x_words_only_on_aligned_float16_rows_gpu() -> None:
-    """X_WORDS reads float16 x as 4-byte words: rows of an odd stride, or a first row at an
-    odd half-word, take the per-value loads (still right); split K off, so that the paths can
-    be compared bit for bit (the pairs are the same numbers either way)."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_x_words_equal_the_per_value_loads_gpu(dtype: torch.dtype) -> None:
+    """X_WORDS reads x as 4-byte words and forms the same half-precision pairs as the
+    per-value loads, so with split K off (no atomics) the outputs are equal bit for bit;
+    rows of an odd stride, or a first row at an odd half-word, take the per-value loads."""
     a, kw = _awq(4096, 4096, 128, seed=12)
-    w = dequantize_awq(a.qweight, a.qzeros, a.scales, torch.float16).double()
+    w = dequantize_awq(a.qweight, a.qzeros, a.scales, dtype).double()
     cfg = WoConfig(1, 32, 128, 1, 2, PACKED=1)
     for m in (1, 2, 3):
-        x = _x(m, 4096, torch.float16, seed=m)
-        odd_stride = torch.zeros(m, 4097, dtype=torch.float16, device=DEV)[:, :4096]
+        x = _x(m, 4096, dtype, seed=m) * 3
+        x[0, :5] = torch.tensor([7e3, -1e-3, 0.0, 2.0**-20, -6e4])  # large, small, zero, subnormal
+        odd_stride = torch.zeros(m, 4097, dtype=dtype, device=DEV)[:, :4096]
         odd_stride.copy_(x)
-        odd_start = torch.zeros(m * 4096 + 1, dtype=torch.float16, device=DEV)[1:].view(m, 4096)
+        odd_start = torch.zeros(m * 4096 + 1, dtype=dtype, device=DEV)[1:].view(m, 4096)
         odd_start.copy_(x)
         for rows in (1, 2):
             want = wo_matmul(x, kw.w, kw.scales, kw.zeros, replace(cfg, ROWS=rows))
-            assert _rel(want, x.double() @ w.t()) < TOL[torch.float16]
+            assert _rel(want, x.double() @ w.t()) < TOL[dtype]
             for xx in (x, odd_stride, odd_start):
                 got = wo_matmul(xx, kw.w, kw.scales, kw.zeros, replace(cfg, X_WORDS=1,
                                                                          ROWS=rows))
@@ -234,12 +236,14 @@ def _ptxas() -> str | None:
 
 @pytest.mark.skipif(_ptxas() is None, reason="Triton's NVIDIA backend has no ptxas here")
 @pytest.mark.parametrize("x_dtype,words,rows,unroll", [
-    ("fp16", 0, 1, 1), ("fp16", 1, 1, 1), ("fp16", 1, 2, 2), ("bf16", 0, 2, 1)], ids=str)
+    ("fp16", 0, 1, 1), ("fp16", 1, 1, 1), ("fp16", 1, 2, 2), ("bf16", 0, 2, 1),
+    ("bf16", 1, 2, 2)], ids=str)
 def test_packed_path_compiles_for_sm90(x_dtype: str, words: int, rows: int,
                                        unroll: int) -> None:
     """The packed path's inline PTX is GPU-only (the interpreter cannot run it): compiled
-    here for an H100/H200 through ptxas, in a process outside the interpreter. X_WORDS takes
-    its pairs with byte permutes (four per word row and row of x), the per-value path none."""
+    here for an H100/H200 through ptxas, in a process outside the interpreter. X_WORDS on
+    float16 takes its pairs with byte permutes; bfloat16 words and the per-value path use
+    none."""
     import subprocess
     import sys
 
@@ -253,4 +257,4 @@ def test_packed_path_compiles_for_sm90(x_dtype: str, words: int, rows: int,
     assert proc.returncode == 0, proc.stderr[-3000:]
     cubin, prmt = map(int, proc.stdout.split())
     assert cubin > 0
-    assert (prmt > 0) == bool(words), prmt
+    assert (prmt > 0) == (bool(words) and x_dtype == "fp16"), prmt
