@@ -13,8 +13,8 @@ least 200 MB together, so that weights come from memory, not the L2). The floor 
 measured in the same run. `--sweep` also times the weight-only kernel's tiles (both formats)
 at each M and prints the best per layer, format and M next to the default's. `--dtype
 float16` runs activations and the dense weight (the `bf16` columns) in float16.
-`awq_words_ms`: the int4 kernel at its default tiles reading x as words of two channels
-(X_WORDS, packed path; M <= 4), which the sweep also tries.
+`awq_values_ms`: the int4 kernel at its default tiles with X_WORDS off (x read one value at a
+time rather than as words of two channels; packed path, M <= 4), which the sweep also tries.
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ def main() -> None:
                                  if fp80.scaled_mm else float("nan"))
             row["awq_ms"] = graph_ms(lambda i: awqs[i % len(awqs)].matmul(x))
             if m <= 4:
-                wcfg = replace(default_config(m, n, k, True, 128), X_WORDS=1)
-                row["awq_words_ms"] = graph_ms(lambda i: wo_matmul(
+                wcfg = replace(default_config(m, n, k, True, 128), X_WORDS=0)
+                row["awq_values_ms"] = graph_ms(lambda i: wo_matmul(
                     x, awqs[i % len(awqs)].w, awqs[i % len(awqs)].scales,
                     awqs[i % len(awqs)].zeros, config=wcfg))
             for fmt in ("bf16", "fp8", "awq"):
@@ -177,9 +177,9 @@ def main() -> None:
             print(sweep_out[-1], flush=True)  # kept if the run is cut short
     cols = ["layer", "M", "bf16_ms", "fp8_ms", "fp8_smm_ms", "awq_ms", "bf16_x_floor",
             "fp8_x_floor", "awq_x_floor", "fp8_vs_bf16", "awq_vs_bf16"]
-    cols.insert(6, "awq_words_ms")
+    cols.insert(6, "awq_values_ms")
     for r in rows_out:
-        r.setdefault("awq_words_ms", float("nan"))
+        r.setdefault("awq_values_ms", float("nan"))
     print_table(rows_out, cols)
     if sweep_out:
         print_table(sweep_out, list(sweep_out[0]))

@@ -6,7 +6,7 @@
 #   PART=awq      the GPU tests of the weight-only kernels, bench_quant_gemm.py at 1, 2 and 4 rows
 #                 with the AWQ tiles swept, batch-1 latency of bf16 and AWQ int4 weights
 #   PART=awq16    the GPU tests of the weight-only kernels, bench_quant_gemm.py at 1 and 2
-#                 rows in float16 and in bfloat16 (awq_words_ms: X_WORDS), batch-1 latency
+#                 rows in float16 and in bfloat16 (awq_values_ms: X_WORDS off), batch-1 latency
 #                 of bf16 and of AWQ int4 in bfloat16 and in float16
 #   PART=1|2|3    copy that part of the vLLM bundle (scripts/gpu_peer_run.sh), and
 #                 1: srt W1 / B1 / W2 with --quantization fp8; B1 of bf16 and AWQ int4

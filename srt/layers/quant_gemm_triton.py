@@ -530,13 +530,14 @@ def default_config(m: int, n: int, k: int, int4: bool, group: int) -> WoConfig:
     if int4:
         bk = min(group, 128)
         split = 16 if k > 8192 else 8
+        # X_WORDS: 3-10% faster products at 1-2 rows in float16, 1-13% in bfloat16 (H200)
         if m == 1:
-            return WoConfig(1, 32, bk, split, 2, PACKED=1)
+            return WoConfig(1, 32, bk, split, 2, PACKED=1, X_WORDS=1)
         if m == 2:
             return WoConfig(1, 32, bk, split, 2, UNROLL_N=2 if k > 8192 else 1, ROWS=2,
-                            PACKED=1)
+                            PACKED=1, X_WORDS=1)
         if m <= 4:
-            return WoConfig(1, 32, bk, 8, 2, UNROLL_N=2, ROWS=2, PACKED=1)
+            return WoConfig(1, 32, bk, 8, 2, UNROLL_N=2, ROWS=2, PACKED=1, X_WORDS=1)
         if m <= 16:
             return WoConfig(16, 64, bk, 4, 4)
         return WoConfig(64, 128, min(group, 128), 1, 4)

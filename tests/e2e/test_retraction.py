@@ -12,7 +12,10 @@ from tests.conftest import BASE_ARGS, ServerProcess
 
 PROMPTS = [f"Story number {i}: once upon a time there was a" + " very" * (i % 5) + " small fox"
            for i in range(16)]
-BODY = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
+# 16 requests of ~15 + 100 tokens need ~1,800 KV slots; a 300-slot pool must retract often.
+NEW_TOKENS = 100
+POOL = 300
+BODY = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 
 
 def _body(i: int) -> dict[str, Any]:
@@ -27,10 +30,10 @@ def _run_all(srv: ServerProcess) -> list[dict[str, Any]]:
         results = list(pool.map(lambda i: srv.generate(_body(i)), range(len(PROMPTS))))
     for i, r in enumerate(results):
         meta = r["meta_info"]
-        assert meta["finish_reason"] == {"type": "length", "length": 200}
+        assert meta["finish_reason"] == {"type": "length", "length": NEW_TOKENS}
         if i % 2 == 0:  # each prompt token once, each output token once
             assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
-            assert len(meta["output_token_logprobs"]) == 200
+            assert len(meta["output_token_logprobs"]) == NEW_TOKENS
             assert [t[1] for t in meta["output_token_logprobs"]] == r["output_ids"]
         else:
             assert "output_token_logprobs" not in meta
@@ -39,11 +42,11 @@ def _run_all(srv: ServerProcess) -> list[dict[str, Any]]:
 
 def test_small_pool_retracts_and_matches_large_pool(server: Any, smollm2_dir: str) -> None:
     reference = _run_all(server)
-    small = ServerProcess([*BASE_ARGS, "--max-total-tokens", "600"]).start()
+    small = ServerProcess([*BASE_ARGS, "--max-total-tokens", str(POOL)]).start()
     try:
         outputs = _run_all(small)
         info = small.server_info()
-        assert info["max_total_num_tokens"] == 600
+        assert info["max_total_num_tokens"] == POOL
         assert info["retracted_reqs"] > 0
         assert "retracted" in small.log()
         small.assert_kv_invariant()
