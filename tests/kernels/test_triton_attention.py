@@ -39,6 +39,9 @@ from srt.layers.attention.triton_ops import (  # noqa: E402
 )
 from srt.layers.attention.triton_ops.decode_attention import (  # noqa: E402
     DECODE_MAX_KV_SPLITS,
+    DECODE_NUM_STAGES,
+    DECODE_NUM_STAGES_SMALL_HEAD,
+    decode_num_stages,
     DECODE_MIN_TOKENS_PER_SPLIT,
     decode_workspace_numel,
 )
@@ -346,6 +349,20 @@ def test_decode_workspace_checks() -> None:
         run_decode_case([5, 6, 7], 4, 2, 64, torch.float32, 3, seed=0, workspace=ws)
     # a smaller batch with more splits fits the same flat workspace
     assert run_decode_case([5], 4, 2, 64, torch.float32, 6, seed=0, workspace=ws) < 1e-3
+
+
+def test_decode_num_stages_fit_shared_memory() -> None:
+    """The tuned depth where shared memory holds it (an H200: 227 KiB a block), fewer K/V
+    tiles on 99 KiB GPUs (one stage of d 128, 64 tokens, bf16 is 32 KiB), never below 2."""
+    h200, small = 227 << 10, 99 << 10
+    assert DECODE_NUM_STAGES == 3 and DECODE_NUM_STAGES_SMALL_HEAD == 4
+    assert decode_num_stages(128, 64, 2, h200) == 3
+    assert decode_num_stages(128, 64, 2, None) == 3  # unknown: the tuned depth
+    assert decode_num_stages(128, 64, 2, small) == 2  # 3 x 32 KiB + 16 KiB > 99 KiB
+    assert decode_num_stages(128, 64, 1, small) == 3  # an FP8 pool's tiles are half the size
+    assert decode_num_stages(64, 64, 2, h200) == 4
+    assert decode_num_stages(64, 64, 4, small) == 2  # float32, d 64: 4 x 32 KiB too many
+    assert decode_num_stages(256, 64, 2, 48 << 10) == 2  # never below 2
 
 
 def test_choose_num_kv_splits() -> None:

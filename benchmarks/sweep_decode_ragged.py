@@ -1,0 +1,147 @@
+"""Decode attention over a batch of unequal contexts, as a serving batch has them (GPU only).
+
+    python benchmarks/sweep_decode_ragged.py [--bs 128] [--lens 100-1124] [--slots contiguous]
+        [--backends triton,flashinfer] [--out sweep_decode_ragged.json]
+
+Llama-3-8B heads (32 / 8, d 128, bf16). `--bs` requests with context lengths drawn uniformly
+from `--lens` (seeded), each request's slots one run of the pool (`contiguous`, as a fresh pool
+hands out a prompt's slots) or anywhere (`random`). Times the Triton decode kernel at every
+split count and a few tiles, with the split count the backend chooses marked, and the
+FlashInfer backend on the same batch, all replayed from CUDA graphs. `frac_of_copy`: K/V bytes
+per second over a device-to-device copy's rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from typing import Any, Callable
+
+import torch
+
+import benchmarks.bench_attention as ba
+import srt.layers.attention.triton_ops.decode_attention as dec
+from benchmarks.bench_attention import graph_time_ms, make_runner
+from benchmarks.common import copy_bandwidth, print_table
+from srt.layers.attention import create_attention_backend
+from srt.layers.forward_batch import ForwardBatch, ForwardMode, forward_context
+from srt.layers.radix_attention import RadixAttention
+from srt.memory_pool import ReqToTokenPool, TokenToKVPool
+
+
+class RaggedDecode:
+    """One decode step of `lens.numel()` requests with the given context lengths."""
+
+    def __init__(self, lens: list[int], contiguous: bool, seed: int = 0) -> None:
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        dev, H, HKV, D, dt = ba.DEV, ba.H, ba.HKV, ba.D, ba.DTYPE
+        self.lens, bs, size = lens, len(lens), sum(lens)
+        self.req_pool = ReqToTokenPool(bs, max(lens) + 1, dev)
+        self.kv_pool = TokenToKVPool(size, 1, HKV, D, dt, dev)
+        self.kv_pool.k_buffer[0].normal_()
+        self.kv_pool.v_buffer[0].normal_()
+        perm = torch.randperm(size, generator=g)
+        if contiguous:  # runs in a shuffled order of requests
+            order = torch.randperm(bs, generator=g).tolist()
+            starts, at = [0] * bs, 0
+            for i in order:
+                starts[i], at = at, at + lens[i]
+        for i, n in enumerate(lens):
+            row = (torch.arange(starts[i], starts[i] + n) if contiguous
+                   else perm[sum(lens[:i]):sum(lens[:i]) + n])
+            self.req_pool.req_to_token[i, :n] = row.to(dev, torch.int32)
+        self.seq_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
+        self.rows = torch.arange(bs, device=dev)
+        self.q = torch.randn(bs, H, D, dtype=dt, device=dev)
+        self.o = torch.empty_like(self.q)
+        self.kv_bytes = size * HKV * D * 2 * dt.itemsize
+        self.layer = RadixAttention(H, D, D**-0.5, HKV, 0)
+
+    def triton(self, splits: int) -> Callable[[], Any]:
+        ws = dec.decode_workspace(len(self.lens), ba.H, ba.D, splits, ba.DEV)
+        k, v = self.kv_pool.k_buffer[0], self.kv_pool.v_buffer[0]
+
+        def run() -> None:
+            dec.decode_attention_fwd(self.q, k, v, self.o, self.req_pool.req_to_token,
+                                     self.rows, self.seq_lens, ba.D**-0.5, splits, ws)
+        return run
+
+    def backend(self, name: str) -> Callable[[], Any]:
+        bs = len(self.lens)
+        backend = create_attention_backend(name, runner=make_runner(bs))
+        loc = self.req_pool.req_to_token[self.rows, self.seq_lens - 1].long()
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs,
+            input_ids=torch.zeros(bs, dtype=torch.int64, device=ba.DEV),
+            positions=self.seq_lens - 1, out_cache_loc=loc, req_pool_indices=self.rows,
+            seq_lens=self.seq_lens, seq_lens_cpu=list(self.lens),
+            prefix_lens_cpu=[n - 1 for n in self.lens], extend_lens_cpu=[1] * bs,
+            req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
+            attn_backend=backend)
+        backend.init_forward_metadata(fb)
+        q = self.q.view(bs, -1)
+        k = torch.randn(bs, ba.HKV * ba.D, dtype=ba.DTYPE, device=ba.DEV)
+        v = torch.randn_like(k)
+
+        def run() -> torch.Tensor:
+            with forward_context(fb):
+                return self.layer(q, k, v)
+        return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bs", type=int, nargs="+", default=[128])
+    ap.add_argument("--lens", default="100-1124", help="LO-HI context lengths (uniform)")
+    ap.add_argument("--slots", choices=("contiguous", "random"), default="contiguous")
+    ap.add_argument("--backends", default="triton,flashinfer")
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 16])
+    ap.add_argument("--out", default="sweep_decode_ragged.json")
+    a = ap.parse_args()
+    lo, hi = (int(x) for x in a.lens.split("-"))
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows: list[dict[str, Any]] = []
+    for bs in a.bs:
+        g = torch.Generator().manual_seed(bs)
+        lens = torch.randint(lo, hi + 1, (bs,), generator=g).tolist()
+        case = RaggedDecode(lens, a.slots == "contiguous")
+        chosen = dec.choose_num_kv_splits(bs, ba.HKV, 1 << 30)
+
+        def add(name: str, fn: Callable[[], Any], **cfg: Any) -> None:
+            ms = graph_time_ms(fn)
+            if ms is not None:
+                rows.append({"bs": bs, "mean_len": sum(lens) / bs, "backend": name, **cfg,
+                             "ms": ms, "frac_of_copy": case.kv_bytes / (ms / 1e3) / bw})
+                print(rows[-1], flush=True)
+
+        if "triton" in a.backends:
+            saved = (dec.DECODE_BLOCK_N, dec.DECODE_NUM_WARPS, dec.DECODE_NUM_STAGES)
+            for splits, block_n, warps, stages in itertools.product(
+                    a.splits, (32, 64), (4, 8), (2, 3, 4)):
+                dec.DECODE_BLOCK_N, dec.DECODE_NUM_WARPS, dec.DECODE_NUM_STAGES = (
+                    block_n, warps, stages)
+                add("triton", case.triton(splits), splits=splits, block_n=block_n,
+                    warps=warps, stages=stages, chosen=splits == chosen)
+            dec.DECODE_BLOCK_N, dec.DECODE_NUM_WARPS, dec.DECODE_NUM_STAGES = saved
+        for name in a.backends.split(","):
+            if name != "triton":
+                add(name, case.backend(name))
+        del case
+    best = []
+    for bs in a.bs:
+        mine = [r for r in rows if r["bs"] == bs]
+        tri = sorted((r for r in mine if r["backend"] == "triton"), key=lambda r: r["ms"])
+        best += tri[:8] + [r for r in tri if r["chosen"] and r["block_n"] == dec.DECODE_BLOCK_N
+                           and r["warps"] == dec.DECODE_NUM_WARPS
+                           and r["stages"] == dec.DECODE_NUM_STAGES]
+        best += [r for r in mine if r["backend"] != "triton"]
+    print_table(best, ["bs", "mean_len", "backend", "splits", "block_n", "warps", "stages",
+                       "chosen", "ms", "frac_of_copy"])
+    with open(a.out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
