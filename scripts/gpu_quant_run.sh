@@ -9,7 +9,8 @@
 #                 rows in float16 and in bfloat16 (awq_values_ms: X_WORDS off), batch-1 latency
 #                 of bf16 and of AWQ int4 in bfloat16 and in float16
 #   PART=1|2|3    copy that part of the vLLM bundle (scripts/gpu_peer_run.sh), and
-#                 1: srt W1 / B1 / W2 with --quantization fp8; B1 of bf16 and AWQ int4
+#                 1: srt W1 / B1 / W2 with --quantization fp8; B1 of bf16 and of AWQ int4
+#                    in float16 (the dtype AWQ checkpoints carry)
 #                 2: the same with --kv-cache-dtype fp8_e4m3 as well
 #                 3: vLLM 0.26.0 W1 / B1 / W2 with --quantization fp8, then with
 #                    --kv-cache-dtype fp8 as well
@@ -66,7 +67,7 @@ case $PART in
       TAG=${cfg%%:*} SRT_ARGS="${cfg#*:}" SRT="latency:llama3-8b" peer
     done ;;
   1) TAG=fp8 SRT_ARGS="--quantization fp8" SRT=$W peer
-     for cfg in "bf16:" "awq:--awq-group-size 128"; do
+     for cfg in "bf16:" "awq16:--awq-group-size 128 --dtype float16"; do
        TAG=${cfg%%:*} SRT_ARGS="${cfg#*:}" SRT="latency:llama3-8b" COPY= peer
      done ;;
   2) TAG=fp8kv SRT_ARGS="--quantization fp8 --kv-cache-dtype fp8_e4m3" SRT=$W peer ;;
