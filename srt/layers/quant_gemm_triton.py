@@ -20,7 +20,7 @@ Kernels:
   computes in packed half precision (PACKED: inline PTX, two values per instruction; see
   `_WORD_ASM`), which the interpreter cannot run (the tests compile it for sm_90 through
   ptxas on the CPU); X_WORDS reads half-precision activations there as words of two
-  channels (off by default until measured on a GPU).
+  channels (the default tiles at 1-4 rows; rows not 4-byte aligned take per-value loads).
 - `_dot_kernel`, BLOCK_M rows per program on the tensor cores: the tile is dequantized to x's
   dtype and multiplied by tl.dot.
 All cut the output axis into BLOCK_N columns and optionally split K over SPLIT_K programs,
