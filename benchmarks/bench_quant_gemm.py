@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -51,8 +52,6 @@ def sweep_configs(m: int, int4: bool, gemv_only: bool = False,
                   x_words: bool = False) -> list[Any]:
     """The weight-only kernel's tiles tried at m rows (int4: BLOCK_K divides the group, 128;
     x_words: each packed int4 tile also with X_WORDS)."""
-    from dataclasses import replace
-
     configs = _sweep_configs(m, int4, gemv_only)
     if x_words:
         configs += [replace(c, X_WORDS=1) for c in configs if c.PACKED]
@@ -106,8 +105,6 @@ def main() -> None:
     from srt.layers.awq import AwqKernelWeight, AwqWeight, quantize_awq
     from srt.layers.fp8 import Fp8Weight, quantize_per_channel
     from srt.layers.fp8_triton import quantize_per_token_triton
-    from dataclasses import replace
-
     from srt.layers.quant_gemm_triton import default_config, wo_matmul
 
     bw = copy_bandwidth()
@@ -175,9 +172,8 @@ def main() -> None:
                               "next": "; ".join(f"{c} {ms:.4f}" for ms, c in timed[1:4]),
                               "floor_ms": floors[fmt]})
             print(sweep_out[-1], flush=True)  # kept if the run is cut short
-    cols = ["layer", "M", "bf16_ms", "fp8_ms", "fp8_smm_ms", "awq_ms", "bf16_x_floor",
-            "fp8_x_floor", "awq_x_floor", "fp8_vs_bf16", "awq_vs_bf16"]
-    cols.insert(6, "awq_values_ms")
+    cols = ["layer", "M", "bf16_ms", "fp8_ms", "fp8_smm_ms", "awq_ms", "awq_values_ms",
+            "bf16_x_floor", "fp8_x_floor", "awq_x_floor", "fp8_vs_bf16", "awq_vs_bf16"]
     for r in rows_out:
         r.setdefault("awq_values_ms", float("nan"))
     print_table(rows_out, cols)

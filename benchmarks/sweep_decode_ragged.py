@@ -41,16 +41,14 @@ class RaggedDecode:
         self.kv_pool = TokenToKVPool(size, 1, HKV, D, dt, dev)
         self.kv_pool.k_buffer[0].normal_()
         self.kv_pool.v_buffer[0].normal_()
-        perm = torch.randperm(size, generator=g)
-        if contiguous:  # runs in a shuffled order of requests
-            order = torch.randperm(bs, generator=g).tolist()
-            starts, at = [0] * bs, 0
-            for i in order:
-                starts[i], at = at, at + lens[i]
-        for i, n in enumerate(lens):
-            row = (torch.arange(starts[i], starts[i] + n) if contiguous
-                   else perm[sum(lens[:i]):sum(lens[:i]) + n])
-            self.req_pool.req_to_token[i, :n] = row.to(dev, torch.int32)
+        # contiguous: one run of slots per request, the runs in a shuffled order of requests;
+        # random: every token's slot anywhere in the pool
+        order = torch.randperm(bs, generator=g).tolist() if contiguous else range(bs)
+        slots = torch.arange(size) if contiguous else torch.randperm(size, generator=g)
+        at = 0
+        for i in order:
+            self.req_pool.req_to_token[i, :lens[i]] = slots[at:at + lens[i]].to(dev, torch.int32)
+            at += lens[i]
         self.seq_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
         self.rows = torch.arange(bs, device=dev)
         self.q = torch.randn(bs, H, D, dtype=dt, device=dev)

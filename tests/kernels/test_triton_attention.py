@@ -39,10 +39,10 @@ from srt.layers.attention.triton_ops import (  # noqa: E402
 )
 from srt.layers.attention.triton_ops.decode_attention import (  # noqa: E402
     DECODE_MAX_KV_SPLITS,
+    DECODE_MIN_TOKENS_PER_SPLIT,
     DECODE_NUM_STAGES,
     DECODE_NUM_STAGES_SMALL_HEAD,
     decode_num_stages,
-    DECODE_MIN_TOKENS_PER_SPLIT,
     decode_workspace_numel,
 )
 from srt.layers.forward_batch import ForwardBatch, ForwardMode, forward_context  # noqa: E402

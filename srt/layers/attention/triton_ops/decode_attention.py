@@ -65,26 +65,35 @@ _DEFAULT_NUM_SMS = 132  # H100 / H200
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _cuda_properties(index: int) -> tuple[int, int | None]:
+    """(streaming multiprocessors, shared memory per block opt-in, None where torch lacks it)"""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", None)
+
+
+def _cuda_index(device: torch.device | str | None) -> int | None:
+    """CUDA index of `device` (the current CUDA device if None); None without CUDA."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None
+    if not torch.cuda.is_available():
+        return None
+    if device is not None and device.index is not None:
+        return device.index
+    return torch.cuda.current_device()
 
 
 def device_num_sms(device: torch.device | str | None = None) -> int:
     """Streaming multiprocessors of `device` (the current CUDA device if None); 132 without CUDA."""
-    if device is not None:
-        device = torch.device(device)
-        if device.type != "cuda":
-            return _DEFAULT_NUM_SMS
-    if not torch.cuda.is_available():
-        return _DEFAULT_NUM_SMS
-    index = device.index if device is not None and device.index is not None else (
-        torch.cuda.current_device())
-    return _cuda_num_sms(index)
+    index = _cuda_index(device)
+    return _DEFAULT_NUM_SMS if index is None else _cuda_properties(index)[0]
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_shared_memory(index: int) -> int | None:
-    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+def device_shared_memory(device: torch.device | str | None = None) -> int | None:
+    """Shared memory per block (opt-in) of `device` in bytes; None without CUDA or unknown."""
+    index = _cuda_index(device)
+    return None if index is None else _cuda_properties(index)[1]
 
 
 def decode_num_stages(head_dim: int, block_n: int, kv_itemsize: int,
@@ -397,9 +406,8 @@ def decode_attention_fwd(
 
     block_n = block_n or DECODE_BLOCK_N
     block_d = triton.next_power_of_2(head_dim)
-    smem = _cuda_shared_memory(q.device.index if q.device.index is not None
-                               else torch.cuda.current_device()) if q.is_cuda else None
-    stages = decode_num_stages(head_dim, block_n, k_buffer.element_size(), smem)
+    stages = decode_num_stages(head_dim, block_n, k_buffer.element_size(),
+                               device_shared_memory(q.device))
     _decode_stage1_kernel[(bs, kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer,
         req_to_token, req_pool_indices, seq_lens,
