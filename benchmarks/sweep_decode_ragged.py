@@ -1,14 +1,19 @@
 """Decode attention over a batch of unequal contexts, as a serving batch has them (GPU only).
 
     python benchmarks/sweep_decode_ragged.py [--bs 128] [--lens 100-1124] [--slots contiguous]
-        [--backends triton,flashinfer] [--out sweep_decode_ragged.json]
+        [--kv-dtype bf16|fp8] [--shared P] [--splits 1 2 ...] [--block-n 32 64] [--warps 4 8]
+        [--stages 2 3 4] [--backends triton,flashinfer] [--out sweep_decode_ragged.json]
 
-Llama-3-8B heads (32 / 8, d 128, bf16). `--bs` requests with context lengths drawn uniformly
-from `--lens` (seeded), each request's slots one run of the pool (`contiguous`, as a fresh pool
-hands out a prompt's slots) or anywhere (`random`). Times the Triton decode kernel at every
-split count and a few tiles, with the split count the backend chooses marked, and the
-FlashInfer backend on the same batch, all replayed from CUDA graphs. `frac_of_copy`: K/V bytes
-per second over a device-to-device copy's rate measured in the same run.
+Llama-3-8B heads (32 / 8, d 128, bf16 queries). `--bs` requests with context lengths drawn
+uniformly from `--lens` (seeded), each request's slots one run of the pool (`contiguous`, as a
+fresh pool hands out a prompt's slots) or anywhere (`random`); `--kv-dtype fp8` stores the pool
+in float8_e4m3fn (scales 0.5 / 0.25). `--shared P` puts one P-token prefix (the same slots)
+before every request's own tokens, as W2's batches of one system prompt have it, and times the
+shared-prefix stage at its chosen split count with stage 1 over the own tokens; `--stages`
+then sweeps the shared stage's depth too. Times the Triton decode kernel at every split count
+and tile given, with the split count the backend chooses marked, and the FlashInfer backend on
+the same batch (bf16, no shared prefix), all replayed from CUDA graphs. `frac_of_copy`: K/V bytes
+read per second over a device-to-device copy's rate measured in the same run.
 """
 
 from __future__ import annotations
@@ -33,36 +38,47 @@ from srt.memory_pool import ReqToTokenPool, TokenToKVPool
 class RaggedDecode:
     """One decode step of `lens.numel()` requests with the given context lengths."""
 
-    def __init__(self, lens: list[int], contiguous: bool, seed: int = 0) -> None:
+    def __init__(self, lens: list[int], contiguous: bool, kv_dtype: torch.dtype,
+                 shared: int = 0, seed: int = 0) -> None:
         g = torch.Generator(device="cpu").manual_seed(seed)
         dev, H, HKV, D, dt = ba.DEV, ba.H, ba.HKV, ba.D, ba.DTYPE
-        self.lens, bs, size = lens, len(lens), sum(lens)
-        self.req_pool = ReqToTokenPool(bs, max(lens) + 1, dev)
-        self.kv_pool = TokenToKVPool(size, 1, HKV, D, dt, dev)
-        self.kv_pool.k_buffer[0].normal_()
-        self.kv_pool.v_buffer[0].normal_()
+        self.lens, bs, self.shared = lens, len(lens), shared
+        size = shared + sum(lens)
+        self.req_pool = ReqToTokenPool(bs, shared + max(lens) + 1, dev)
+        self.kv_pool = TokenToKVPool(size, 1, HKV, D, kv_dtype, dev)
+        for buf in (self.kv_pool.k_buffer[0], self.kv_pool.v_buffer[0]):
+            buf.copy_(torch.randn(buf.shape, device=dev))
         # contiguous: one run of slots per request, the runs in a shuffled order of requests;
-        # random: every token's slot anywhere in the pool
+        # random: every token's slot anywhere in the pool. The shared prefix: the first run.
         order = torch.randperm(bs, generator=g).tolist() if contiguous else range(bs)
-        slots = torch.arange(size) if contiguous else torch.randperm(size, generator=g)
-        at = 0
+        slots = (torch.arange(size) if contiguous else torch.randperm(size, generator=g)).to(
+            dev, torch.int32)
+        at = shared
         for i in order:
-            self.req_pool.req_to_token[i, :lens[i]] = slots[at:at + lens[i]].to(dev, torch.int32)
+            self.req_pool.req_to_token[i, :shared] = slots[:shared]
+            self.req_pool.req_to_token[i, shared:shared + lens[i]] = slots[at:at + lens[i]]
             at += lens[i]
-        self.seq_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.tensor([shared + n for n in lens], dtype=torch.int64, device=dev)
         self.rows = torch.arange(bs, device=dev)
         self.q = torch.randn(bs, H, D, dtype=dt, device=dev)
         self.o = torch.empty_like(self.q)
-        self.kv_bytes = size * HKV * D * 2 * dt.itemsize
+        self.kv_bytes = size * HKV * D * 2 * kv_dtype.itemsize
+        self.scales = (0.5, 0.25) if kv_dtype != dt else (1.0, 1.0)
         self.layer = RadixAttention(H, D, D**-0.5, HKV, 0)
 
     def triton(self, splits: int) -> Callable[[], Any]:
-        ws = dec.decode_workspace(len(self.lens), ba.H, ba.D, splits, ba.DEV)
+        bs = len(self.lens)
+        shared_splits = dec.choose_shared_splits(bs, ba.H // ba.HKV, ba.HKV, self.shared) \
+            if self.shared else 0
+        ws = dec.decode_workspace(bs, ba.H, ba.D, splits + shared_splits, ba.DEV)
         k, v = self.kv_pool.k_buffer[0], self.kv_pool.v_buffer[0]
+        ks, vs = self.scales
 
         def run() -> None:
             dec.decode_attention_fwd(self.q, k, v, self.o, self.req_pool.req_to_token,
-                                     self.rows, self.seq_lens, ba.D**-0.5, splits, ws)
+                                     self.rows, self.seq_lens, ba.D**-0.5, splits, ws,
+                                     shared_len=self.shared, shared_splits=shared_splits,
+                                     k_scale=ks, v_scale=vs)
         return run
 
     def backend(self, name: str) -> Callable[[], Any]:
@@ -94,35 +110,49 @@ def main() -> None:
     ap.add_argument("--lens", default="100-1124", help="LO-HI context lengths (uniform)")
     ap.add_argument("--slots", choices=("contiguous", "random"), default="contiguous")
     ap.add_argument("--backends", default="triton,flashinfer")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--shared", type=int, default=0, help="shared prefix tokens (0: none)")
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 16])
+    ap.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--out", default="sweep_decode_ragged.json")
     a = ap.parse_args()
     lo, hi = (int(x) for x in a.lens.split("-"))
+    kv_dtype = torch.float8_e4m3fn if a.kv_dtype == "fp8" else ba.DTYPE
+    if a.shared or a.kv_dtype == "fp8":  # Triton's kernels only: no shared stage or scales
+        a.backends = "triton"             # in the other backends' runs here
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows: list[dict[str, Any]] = []
     for bs in a.bs:
         g = torch.Generator().manual_seed(bs)
         lens = torch.randint(lo, hi + 1, (bs,), generator=g).tolist()
-        case = RaggedDecode(lens, a.slots == "contiguous")
+        case = RaggedDecode(lens, a.slots == "contiguous", kv_dtype, a.shared)
         chosen = dec.choose_num_kv_splits(bs, ba.HKV, 1 << 30)
 
         def add(name: str, fn: Callable[[], Any], **cfg: Any) -> None:
             ms = graph_time_ms(fn)
             if ms is not None:
-                rows.append({"bs": bs, "mean_len": sum(lens) / bs, "backend": name, **cfg,
+                rows.append({"bs": bs, "shared": a.shared, "kv": a.kv_dtype,
+                             "mean_len": sum(lens) / bs, "backend": name, **cfg,
                              "ms": ms, "frac_of_copy": case.kv_bytes / (ms / 1e3) / bw})
                 print(rows[-1], flush=True)
 
         if "triton" in a.backends:
-            saved = (dec.DECODE_BLOCK_N, dec.DECODE_NUM_WARPS, dec.DECODE_NUM_STAGES)
-            for splits, block_n, warps, stages in itertools.product(
-                    a.splits, (32, 64), (4, 8), (2, 3, 4)):
-                dec.DECODE_BLOCK_N, dec.DECODE_NUM_WARPS, dec.DECODE_NUM_STAGES = (
-                    block_n, warps, stages)
+            names = ("DECODE_BLOCK_N", "DECODE_NUM_WARPS", "DECODE_NUM_STAGES",
+                     "DECODE_SHARED_NUM_STAGES")
+            saved = [getattr(dec, n) for n in names]
+            shared_stages = a.stages if a.shared else [dec.DECODE_SHARED_NUM_STAGES]
+            for splits, block_n, warps, stages, sh_stages in itertools.product(
+                    a.splits, a.block_n, a.warps, a.stages, shared_stages):
+                for n, val in zip(names, (block_n, warps, stages, sh_stages)):
+                    setattr(dec, n, val)
                 add("triton", case.triton(splits), splits=splits, block_n=block_n,
-                    warps=warps, stages=stages, chosen=splits == chosen)
-            dec.DECODE_BLOCK_N, dec.DECODE_NUM_WARPS, dec.DECODE_NUM_STAGES = saved
+                    warps=warps, stages=stages, shared_stages=sh_stages if a.shared else None,
+                    chosen=splits == chosen)
+            for n, val in zip(names, saved):
+                setattr(dec, n, val)
         for name in a.backends.split(","):
             if name != "triton":
                 add(name, case.backend(name))
@@ -133,10 +163,11 @@ def main() -> None:
         tri = sorted((r for r in mine if r["backend"] == "triton"), key=lambda r: r["ms"])
         best += tri[:8] + [r for r in tri if r["chosen"] and r["block_n"] == dec.DECODE_BLOCK_N
                            and r["warps"] == dec.DECODE_NUM_WARPS
-                           and r["stages"] == dec.DECODE_NUM_STAGES]
+                           and r["stages"] == dec.DECODE_NUM_STAGES
+                           and r["shared_stages"] in (None, dec.DECODE_SHARED_NUM_STAGES)]
         best += [r for r in mine if r["backend"] != "triton"]
-    print_table(best, ["bs", "mean_len", "backend", "splits", "block_n", "warps", "stages",
-                       "chosen", "ms", "frac_of_copy"])
+    print_table(best, ["bs", "shared", "kv", "mean_len", "backend", "splits", "block_n", "warps",
+                       "stages", "shared_stages", "chosen", "ms", "frac_of_copy"])
     with open(a.out, "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -29,7 +29,7 @@ from srt.layers.attention.triton_ops import (
 )
 from srt.layers.attention.triton_ops.decode_attention import (
     DECODE_MAX_KV_SPLITS,
-    DECODE_SHARED_BLOCK_M,
+    choose_shared_splits,
     device_num_sms,
 )
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
@@ -145,9 +145,9 @@ class TritonAttnBackend(AttentionBackend):
         splits = self._splits(bs, longest - shared)
         # what the workspace holds at this batch size, less stage 1's splits
         room = self.workspace.numel() // (bs * self.num_heads * (self.head_dim + 1)) - splits
-        row_blocks = -(-bs * (self.num_heads // self.num_kv_heads) // DECODE_SHARED_BLOCK_M)
-        want = -(-self.num_sms * 4 // (self.num_kv_heads * row_blocks))
-        shared_splits = max(0, min(room, want, -(-shared // 256), self.max_kv_splits))
+        shared_splits = max(0, min(room, choose_shared_splits(
+            bs, self.num_heads // self.num_kv_heads, self.num_kv_heads, shared,
+            num_sms=self.num_sms, max_splits=self.max_kv_splits)))
         if shared_splits == 0:
             return TritonDecodeMetadata(num_kv_splits=self._splits(bs, longest))
         return TritonDecodeMetadata(splits, shared, shared_splits)

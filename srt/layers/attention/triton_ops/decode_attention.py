@@ -34,7 +34,6 @@ import triton.language as tl
 
 from srt.layers.attention.triton_ops.prefill_attention import (
     LOG2E,
-    _dequant,
     _dot,
     _online_softmax_step,
     check_heads,
@@ -55,6 +54,10 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 # SmolLM2's heads (9 / 3, d 64) at batch 256 x 768: 4 stages 0.059 ms, 2 stages 0.065 ms.
 DECODE_NUM_STAGES_SMALL_HEAD = 4
+DECODE_NUM_STAGES_FP8_KV = 3  # an FP8 pool at head_dim > 64
+# The shared-prefix stage (BLOCK_M query rows a program) keeps 2: with 3, W2 (512 requests on
+# one 2,048-token prefix, eager steps) fell from 207 to 160 requests/s on one H200.
+DECODE_SHARED_NUM_STAGES = 2
 # Split rule: aim at PROGRAMS_PER_SM stage-1 programs per SM, never splits shorter than
 # MIN_TOKENS_PER_SPLIT, never more than MAX_KV_SPLITS splits.
 DECODE_PROGRAMS_PER_SM = 4
@@ -98,16 +101,31 @@ def device_shared_memory(device: torch.device | str | None = None) -> int | None
 
 def decode_num_stages(head_dim: int, block_n: int, kv_itemsize: int,
                       shared_memory: int | None) -> int:
-    """Stage 1's pipeline depth: DECODE_NUM_STAGES (DECODE_NUM_STAGES_SMALL_HEAD for head_dim
-    <= 64), less where `shared_memory` bytes per block (None: unknown, no limit) would not hold
-    that many K and V tiles with 16 KiB to spare (e.g. 99 KiB GPUs at d 128 get 2); never
+    """Stage 1's pipeline depth: DECODE_NUM_STAGES_SMALL_HEAD for head_dim <= 64, else
+    DECODE_NUM_STAGES_FP8_KV for a pool of 1-byte values and DECODE_NUM_STAGES for the rest;
+    less where `shared_memory` bytes per block (None: unknown, no limit) would not hold that
+    many K and V tiles with 16 KiB to spare (e.g. 99 KiB GPUs at d 128 bf16 get 2); never
     below 2."""
-    stages = DECODE_NUM_STAGES_SMALL_HEAD if head_dim <= 64 else DECODE_NUM_STAGES
+    if head_dim <= 64:
+        stages = DECODE_NUM_STAGES_SMALL_HEAD
+    else:
+        stages = DECODE_NUM_STAGES_FP8_KV if kv_itemsize == 1 else DECODE_NUM_STAGES
     tiles = 2 * block_n * triton.next_power_of_2(head_dim) * kv_itemsize  # one K and one V
     while (shared_memory is not None and stages > 2
            and stages * tiles + (16 << 10) > shared_memory):
         stages -= 1
     return stages
+
+
+def choose_shared_splits(bs: int, group: int, kv_heads: int, shared_len: int, *,
+                         num_sms: int | None = None,
+                         max_splits: int = DECODE_MAX_KV_SPLITS) -> int:
+    """Splits of the shared-prefix stage: about DECODE_PROGRAMS_PER_SM programs per SM over
+    its (kv_heads x row blocks) grid, at least 256 prefix tokens a split. Host ints only."""
+    row_blocks = triton.cdiv(bs * group, DECODE_SHARED_BLOCK_M)
+    target = (num_sms if num_sms is not None else device_num_sms()) * DECODE_PROGRAMS_PER_SM
+    want = triton.cdiv(target, max(1, kv_heads * row_blocks))
+    return max(1, min(want, triton.cdiv(max(1, shared_len), 256), max_splits))
 
 
 def choose_num_kv_splits(
@@ -147,11 +165,12 @@ def _decode_split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attend_range(q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_t, start, end,
-                  qk_scale, k_scale, v_scale, m_i, l_i, acc, offs_d, mask_d,
-                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                  KV_FP8: tl.constexpr):
+                  qk_scale, m_i, l_i, acc, offs_d, mask_d,
+                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """The online softmax of q's rows over context positions start..end-1, whose pool slots are
-    slot_row[start:end]; returns the updated (m_i, l_i, acc)."""
+    slot_row[start:end]; returns the updated (m_i, l_i, acc). K and V tiles are taken in q's
+    dtype as stored (an FP8 pool's values are exact in bf16 / fp16): the caller folds an FP8
+    pool's k_scale into qk_scale and multiplies the result by v_scale (_fp8_scales)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         cur_n = start_n + offs_n
@@ -159,16 +178,25 @@ def _attend_range(q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_
         slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        k = _dequant(k, k_scale, q.dtype, KV_FP8)
+                    other=0.0).to(q.dtype)
         qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)  # [rows, BLOCK_N], scaled below
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         v = tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        v = _dequant(v, v_scale, q.dtype, KV_FP8)
+                    other=0.0).to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
                                              UPCAST)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _fp8_scales(qk_scale, k_scale, v_scale, KV_FP8: tl.constexpr):
+    """(the score scale, the output scale) of _attend_range: an FP8 pool's stored values times
+    k_scale / v_scale are the keys / values, so q.(s k) = s (q.k) and sum p (s v) = s sum p v:
+    the scales cost one multiply per row instead of one per K/V element."""
+    if KV_FP8:
+        return qk_scale * k_scale, v_scale
+    else:
+        return qk_scale, 1.0
 
 
 # Integer arguments that vary between steps are not specialized on (Triton would otherwise
@@ -223,16 +251,16 @@ def _decode_stage1_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
+    qk_scale, out_scale = _fp8_scales(qk_scale, k_scale, v_scale, KV_FP8)
     m_i, l_i, acc = _attend_range(
         q, Req_To_Token + row * stride_r2t, K_Buffer + cur_kv_head * stride_kbuf_h,
         V_Buffer + cur_kv_head * stride_vbuf_h, stride_kbuf_t, stride_vbuf_t, split_start,
-        split_end, qk_scale, k_scale, v_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N,
-        DOT_PRECISION, UPCAST, KV_FP8)
+        split_end, qk_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N, DOT_PRECISION, UPCAST)
 
     # partial result of this split, normalised, and its log2-sum-exp2
     base = (cur_batch.to(tl.int64) * num_heads + cur_heads) * total_splits + split  # [BLOCK_H]
     o_ptrs = Mid_O + base[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(o_ptrs, acc * (out_scale / l_i)[:, None], mask=mask_h[:, None] & mask_d[None, :])
     tl.store(Mid_Lse + base, m_i + tl.math.log2(l_i), mask=mask_h)
 
 
@@ -290,15 +318,15 @@ def _decode_shared_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    qk_scale, out_scale = _fp8_scales(qk_scale, k_scale, v_scale, KV_FP8)
     m_i, l_i, acc = _attend_range(
         q, Req_To_Token + row * stride_r2t, K_Buffer + cur_kv_head * stride_kbuf_h,
         V_Buffer + cur_kv_head * stride_vbuf_h, stride_kbuf_t, stride_vbuf_t, split_start,
-        split_end, qk_scale, k_scale, v_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N,
-        DOT_PRECISION, UPCAST, KV_FP8)
+        split_end, qk_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N, DOT_PRECISION, UPCAST)
 
     base = (batch.to(tl.int64) * num_heads + heads) * total_splits + num_splits + split
     o_ptrs = Mid_O + base[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(o_ptrs, acc / l_i[:, None], mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(o_ptrs, acc * (out_scale / l_i)[:, None], mask=mask_m[:, None] & mask_d[None, :])
     tl.store(Mid_Lse + base, m_i + tl.math.log2(l_i), mask=mask_m)
 
 
@@ -460,7 +488,7 @@ def decode_attention_fwd(
             UPCAST=interpret_upcast(q.dtype),
             KV_FP8=kv_fp8,
             num_warps=DECODE_NUM_WARPS,
-            num_stages=stages,
+            num_stages=min(stages, DECODE_SHARED_NUM_STAGES),
         )
     _decode_stage2_kernel[(bs, heads)](
         mid_o, mid_lse, o, seq_lens,
@@ -481,6 +509,7 @@ def decode_attention_fwd(
 
 __all__ = [
     "choose_num_kv_splits",
+    "choose_shared_splits",
     "decode_attention_fwd",
     "decode_num_stages",
     "decode_workspace",
