@@ -5,15 +5,13 @@ weight-read floor.
 
 For each layer (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) and rows
 M: device time per product of bf16 (`F.linear`), FP8 as srt runs it (srt/layers/fp8.py: the
-weight-only kernel up to WEIGHT_ONLY_MAX_ROWS rows, else per-token activation quantization and
-`fp8_gemm` up to FP8_GEMM_MAX_ROWS, then `torch._scaled_mm`), FP8 through `_scaled_mm` at every M
-(`fp8_smm`), FP8 through fp8_gemm at its default tiles at every M (`fp8_gemm`), and AWQ int4 group 128
+weight-only kernel up to WEIGHT_ONLY_MAX_ROWS rows, else per-token activation quantization +
+`torch._scaled_mm`), FP8 through `_scaled_mm` at every M (`fp8_smm`), and AWQ int4 group 128
 (srt/layers/awq.py AwqKernelWeight). Times are of 20 products replayed in one CUDA graph (no
 launch gaps; the median of 20 replays), each on its own copy of the weight (copies of at
 least 200 MB together, so that weights come from memory, not the L2). The floor is the weight bytes over the copy bandwidth
 measured in the same run. `--sweep` also times the weight-only kernel's tiles (both formats)
-at each M and prints the best per layer, format and M next to the default's (`--formats
-fp8gemm`: fp8_gemm's tiles at `--sweep-rows`, the activation's quantization included). `--dtype
+at each M and prints the best per layer, format and M next to the default's. `--dtype
 float16` runs activations and the dense weight (the `bf16` columns) in float16.
 `awq_values_ms`: the int4 kernel at its default tiles with X_WORDS off (x read one value at a
 time rather than as words of two channels; packed path, M <= 4), which the sweep also tries.
@@ -88,26 +86,13 @@ def _sweep_configs(m: int, int4: bool, gemv_only: bool) -> list[Any]:
     return (gemv if m <= 4 else []) + dot
 
 
-def fp8_gemm_configs(m: int) -> list[Any]:
-    """fp8_gemm's tiles tried at m rows: 64-row tiles, and 128-row ones above 64 rows (4 or 8
-    warps); 64 or 128 columns; K split 1-8 ways."""
-    from srt.layers.fp8_triton import Fp8GemmConfig
-
-    configs = [Fp8GemmConfig(64, bn, 128, sp, 4) for bn, sp in itertools.product(
-        (64, 128), (1, 2, 4, 8))]
-    if m > 64:
-        configs += [Fp8GemmConfig(128, bn, 128, sp, w) for bn, sp, w in itertools.product(
-            (64, 128), (1, 2, 4, 8), (4, 8))]
-    return configs
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=ROWS)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 4, 16, 64])
-    p.add_argument("--formats", nargs="+", default=["fp8", "awq"],
-                   choices=["fp8", "awq", "fp8gemm"], help="the formats --sweep tries")
+    p.add_argument("--formats", nargs="+", default=["fp8", "awq"], choices=["fp8", "awq"],
+                   help="the formats --sweep tries")
     p.add_argument("--gemv-only", action="store_true",
                    help="--sweep: only the CUDA-core kernel's tiles at M = 1")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
@@ -119,8 +104,7 @@ def main() -> None:
         sys.exit("bench_quant_gemm needs a CUDA GPU")
     from srt.layers.awq import AwqKernelWeight, AwqWeight, quantize_awq
     from srt.layers.fp8 import Fp8Weight, quantize_per_channel
-    from srt.layers.fp8_triton import (default_fp8_gemm_config, fp8_gemm,
-                                       quantize_per_token_triton)
+    from srt.layers.fp8_triton import quantize_per_token_triton
     from srt.layers.quant_gemm_triton import default_config, wo_matmul
 
     bw = copy_bandwidth()
@@ -145,10 +129,6 @@ def main() -> None:
             return torch._scaled_mm(xq, fp8.qweight.t(), scale_a=xs, scale_b=fp8.scale_row,
                                     out_dtype=x.dtype)
 
-        def tri(x: torch.Tensor, fp8: Fp8Weight, cfg: Any = None) -> torch.Tensor:
-            xq, xs = quantize_per_token_triton(x)
-            return fp8_gemm(xq, xs, fp8.qweight, fp8.scale, x.dtype, config=cfg)
-
         for m in a.rows:
             x = torch.randn(m, k, device="cuda", generator=g, dtype=dtype)
             row: dict[str, Any] = {"layer": name, "M": m}
@@ -156,7 +136,6 @@ def main() -> None:
             row["fp8_ms"] = graph_ms(lambda i: fp8s[i % len(fp8s)].matmul(x))
             row["fp8_smm_ms"] = (graph_ms(lambda i: smm(x, fp8s[i % len(fp8s)]))
                                  if fp80.scaled_mm else float("nan"))
-            row["fp8_gemm_ms"] = graph_ms(lambda i: tri(x, fp8s[i % len(fp8s)]))
             row["awq_ms"] = graph_ms(lambda i: awqs[i % len(awqs)].matmul(x))
             if m <= 4:
                 wcfg = replace(default_config(m, n, k, True, 128), X_WORDS=0)
@@ -170,42 +149,30 @@ def main() -> None:
             rows_out.append(row)
         if not a.sweep:
             continue
-        for m, fmt in itertools.product(a.sweep_rows, a.formats):
+        for m, int4 in itertools.product(a.sweep_rows, [f == "awq" for f in a.formats]):
             x = torch.randn(m, k, device="cuda", generator=g, dtype=dtype)
-            int4 = fmt == "awq"
-            if fmt == "fp8gemm":
-                def product(i: int, cfg: Any) -> torch.Tensor:
-                    return tri(x, fp8s[i % len(fp8s)], cfg)
-                configs, default_cfg = fp8_gemm_configs(m), default_fp8_gemm_config(m, n, k)
-            else:
-                args = ([(a_.w, a_.scales, a_.zeros) for a_ in awqs] if int4
-                        else [(f.qweight, f.scale) for f in fp8s])
-
-                def product(i: int, cfg: Any) -> torch.Tensor:
-                    return wo_matmul(x, *args[i % len(args)], config=cfg)
-                configs = sweep_configs(m, int4, a.gemv_only, x_words=int4)
-                default_cfg = default_config(m, n, k, int4, 128)
+            args = ([(a_.w, a_.scales, a_.zeros) for a_ in awqs] if int4
+                    else [(f.qweight, f.scale) for f in fp8s])
             timed: list[tuple[float, Any]] = []
-            for cfg in configs:
+            for cfg in sweep_configs(m, int4, a.gemv_only, x_words=int4):
                 try:
-                    ms = graph_ms(lambda i: product(i, cfg))
+                    ms = graph_ms(lambda i: wo_matmul(x, *args[i % len(args)], config=cfg))
                 except Exception as e:  # a tile the compiler refuses (resources)
                     print(f"skip {cfg}: {type(e).__name__}", file=sys.stderr)
                     continue
                 timed.append((ms, cfg))
             timed.sort(key=lambda t: t[0])
             best = timed[0] if timed else None
-            default = graph_ms(lambda i: product(i, None))
-            floor = floors["awq" if int4 else "fp8"]
+            default = graph_ms(lambda i: wo_matmul(x, *args[i % len(args)]))
+            fmt = "awq" if int4 else "fp8"
             sweep_out.append({"layer": name, "fmt": fmt, "M": m, "default_ms": default,
-                              "default": str(default_cfg),
+                              "default": str(default_config(m, n, k, int4, 128)),
                               "best_ms": best[0] if best else float("nan"),
                               "best": str(best[1]) if best else "",
                               "next": "; ".join(f"{c} {ms:.4f}" for ms, c in timed[1:4]),
-                              "floor_ms": floor})
+                              "floor_ms": floors[fmt]})
             print(sweep_out[-1], flush=True)  # kept if the run is cut short
-    cols = ["layer", "M", "bf16_ms", "fp8_ms", "fp8_smm_ms", "fp8_gemm_ms", "awq_ms",
-            "awq_values_ms",
+    cols = ["layer", "M", "bf16_ms", "fp8_ms", "fp8_smm_ms", "awq_ms", "awq_values_ms",
             "bf16_x_floor", "fp8_x_floor", "awq_x_floor", "fp8_vs_bf16", "awq_vs_bf16"]
     for r in rows_out:
         r.setdefault("awq_values_ms", float("nan"))

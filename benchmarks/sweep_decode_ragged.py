@@ -9,8 +9,8 @@ uniformly from `--lens` (seeded), each request's slots one run of the pool (`con
 fresh pool hands out a prompt's slots) or anywhere (`random`); `--kv-dtype fp8` stores the pool
 in float8_e4m3fn (scales 0.5 / 0.25). `--shared P` puts one P-token prefix (the same slots)
 before every request's own tokens, as W2's batches of one system prompt have it, and times the
-shared-prefix stage at its chosen split count with stage 1 over the own tokens; `--stages`
-then sweeps the shared stage's depth too. Times the Triton decode kernel at every split count
+shared-prefix stage at its chosen split count with stage 1 over the own tokens (both at the
+`--stages` depth). Times the Triton decode kernel at every split count
 and tile given, with the split count the backend chooses marked, and the FlashInfer backend on
 the same batch (bf16, no shared prefix), all replayed from CUDA graphs. `frac_of_copy`: K/V bytes
 read per second over a device-to-device copy's rate measured in the same run.
@@ -140,19 +140,14 @@ def main() -> None:
                 print(rows[-1], flush=True)
 
         if "triton" in a.backends:
-            names = ("DECODE_BLOCK_N", "DECODE_NUM_WARPS", "DECODE_NUM_STAGES",
-                     "DECODE_SHARED_NUM_STAGES")
-            saved = [getattr(dec, n) for n in names]
-            shared_stages = a.stages if a.shared else [dec.DECODE_SHARED_NUM_STAGES]
-            for splits, block_n, warps, stages, sh_stages in itertools.product(
-                    a.splits, a.block_n, a.warps, a.stages, shared_stages):
-                for n, val in zip(names, (block_n, warps, stages, sh_stages)):
-                    setattr(dec, n, val)
+            saved = (dec.DECODE_BLOCK_N, dec.DECODE_NUM_WARPS, dec.DECODE_NUM_STAGES)
+            for splits, block_n, warps, stages in itertools.product(
+                    a.splits, a.block_n, a.warps, a.stages):
+                dec.DECODE_BLOCK_N, dec.DECODE_NUM_WARPS, dec.DECODE_NUM_STAGES = (
+                    block_n, warps, stages)
                 add("triton", case.triton(splits), splits=splits, block_n=block_n,
-                    warps=warps, stages=stages, shared_stages=sh_stages if a.shared else None,
-                    chosen=splits == chosen)
-            for n, val in zip(names, saved):
-                setattr(dec, n, val)
+                    warps=warps, stages=stages, chosen=splits == chosen)
+            dec.DECODE_BLOCK_N, dec.DECODE_NUM_WARPS, dec.DECODE_NUM_STAGES = saved
         for name in a.backends.split(","):
             if name != "triton":
                 add(name, case.backend(name))
@@ -163,11 +158,10 @@ def main() -> None:
         tri = sorted((r for r in mine if r["backend"] == "triton"), key=lambda r: r["ms"])
         best += tri[:8] + [r for r in tri if r["chosen"] and r["block_n"] == dec.DECODE_BLOCK_N
                            and r["warps"] == dec.DECODE_NUM_WARPS
-                           and r["stages"] == dec.DECODE_NUM_STAGES
-                           and r["shared_stages"] in (None, dec.DECODE_SHARED_NUM_STAGES)]
+                           and r["stages"] == dec.DECODE_NUM_STAGES]
         best += [r for r in mine if r["backend"] != "triton"]
     print_table(best, ["bs", "shared", "kv", "mean_len", "backend", "splits", "block_n", "warps",
-                       "stages", "shared_stages", "chosen", "ms", "frac_of_copy"])
+                       "stages", "chosen", "ms", "frac_of_copy"])
     with open(a.out, "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -8,14 +8,10 @@
 #   PART=awq16    the GPU tests of the weight-only kernels, bench_quant_gemm.py at 1 and 2
 #                 rows in float16 and in bfloat16 (awq_values_ms: X_WORDS off), batch-1 latency
 #                 of bf16 and of AWQ int4 in bfloat16 and in float16
-#   PART=kvdecode the GPU tests of the attention kernels, the FP8 KV pool and the FP8 kernels;
-#                 sweep_decode_ragged.py on an FP8 pool, on a 2,048-token shared prefix (bf16
-#                 and FP8), at batches of 8-32; bench_quant_gemm.py at 32-256 rows with
-#                 fp8_gemm's tiles swept
-#   PART=fp8e2e   srt W1 / W2 with --quantization fp8 (W1 also with FP8_GEMM_MAX_ROWS = 16,
-#                 i.e. torch._scaled_mm above 16 rows), W1 / B1 / W2 with --kv-cache-dtype
-#                 fp8_e4m3 as well, and W1 / B1 of the FP8 pool at 2 decode stages (constants
-#                 edited in this copy of the tree)
+#   PART=kvdecode the GPU tests of the attention kernels and the FP8 KV pool;
+#                 sweep_decode_ragged.py on an FP8 pool and a bf16 one, and on a 2,048-token
+#                 shared prefix in FP8; srt W1 / B1 / W2 with --quantization fp8
+#                 --kv-cache-dtype fp8_e4m3, and W2 with --quantization fp8 alone
 #   PART=1|2|3    copy that part of the vLLM bundle (scripts/gpu_peer_run.sh), and
 #                 1: srt W1 / B1 / W2 with --quantization fp8; B1 of bf16 and of AWQ int4
 #                    in float16 (the dtype AWQ checkpoints carry)
@@ -31,7 +27,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 peer() { PART=$COPY bash scripts/gpu_peer_run.sh; }  # COPY: the bundle part to copy
-COPY=$PART; case $PART in kernels|tune|awq|awq16|kvdecode|fp8e2e) COPY= ;; esac
+COPY=$PART; case $PART in kernels|tune|awq|awq16|kvdecode) COPY= ;; esac
 W="offline:llama3-8b latency:llama3-8b prefix:llama3-8b"
 case $PART in
   kernels)
@@ -75,37 +71,23 @@ case $PART in
       TAG=${cfg%%:*} SRT_ARGS="${cfg#*:}" SRT="latency:llama3-8b" peer
     done ;;
   kvdecode)
-    for t in tests/kernels/test_triton_attention.py tests/kernels/test_kv_fp8.py \
-             tests/kernels/test_fp8_triton.py; do
+    for t in tests/kernels/test_kv_fp8.py tests/kernels/test_triton_attention.py; do
       echo "== $t" | tee -a "$OUT/tests.log"
       timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider "$t" 2>&1 | tail -25 \
         | tee -a "$OUT/tests.log"
     done
     sweep() {  # NAME ARGS...: one sweep, its table printed
       local name=$1; shift
-      timeout 240 python3 benchmarks/sweep_decode_ragged.py "$@" --out "$OUT/sweep_$name.json" \
-        > "$OUT/sweep_$name.log" 2>&1
-      echo "== sweep $name: $*"; grep -v "^{" "$OUT/sweep_$name.log" | tail -16
+      timeout 240 python3 benchmarks/sweep_decode_ragged.py --backends triton "$@" \
+        --out "$OUT/sweep_$name.json" > "$OUT/sweep_$name.log" 2>&1
+      echo "== sweep $name: $*"; grep -v "^{" "$OUT/sweep_$name.log" | tail -12
     }
-    one="--splits 1 2 --block-n 64 --warps 4"
-    sweep fp8 --kv-dtype fp8 --bs 64 128 256 $one --stages 2 3 4
-    sweep shared --shared 2048 --lens 64-96 --bs 256 512 $one --stages 2 3
-    sweep shared_fp8 --kv-dtype fp8 --shared 2048 --lens 64-96 --bs 256 512 $one --stages 2 3
-    sweep small --bs 8 16 32 --splits 1 2 4 8 16 --block-n 64 --warps 4 --stages 3
-    SRT=quantgemm QG_ARGS="--rows 32 64 128 256 --sweep --sweep-rows 64 128 256 \
-      --formats fp8gemm" peer ;;
-  fp8e2e)
-    KV="--quantization fp8 --kv-cache-dtype fp8_e4m3"
-    TAG=fp8 SRT_ARGS="--quantization fp8" SRT="offline:llama3-8b prefix:llama3-8b" peer
-    TAG=fp8kv SRT_ARGS=$KV SRT=$W peer
-    edit() { sed -i "s/^$1 = $2/$1 = $3/" "$4"; grep -n "^$1 =" "$4"; }
-    edit FP8_GEMM_MAX_ROWS 256 16 srt/layers/fp8.py
-    TAG=fp8_smm SRT_ARGS="--quantization fp8" SRT="offline:llama3-8b" peer
-    edit FP8_GEMM_MAX_ROWS 16 256 srt/layers/fp8.py
-    f=srt/layers/attention/triton_ops/decode_attention.py
-    edit DECODE_NUM_STAGES_FP8_KV 3 2 $f
-    TAG=fp8kv_s2 SRT_ARGS=$KV SRT="offline:llama3-8b latency:llama3-8b" peer
-    edit DECODE_NUM_STAGES_FP8_KV 2 3 $f ;;
+    one="--splits 1 2 --block-n 64 --warps 4 --stages 3"
+    sweep fp8 --kv-dtype fp8 --bs 64 128 256 $one
+    sweep bf16 --bs 128 $one
+    sweep shared_fp8 --kv-dtype fp8 --shared 2048 --lens 64-96 --bs 512 $one
+    TAG=fp8kv SRT_ARGS="--quantization fp8 --kv-cache-dtype fp8_e4m3" SRT=$W peer
+    TAG=fp8 SRT_ARGS="--quantization fp8" SRT="prefix:llama3-8b" peer ;;
   1) TAG=fp8 SRT_ARGS="--quantization fp8" SRT=$W peer
      for cfg in "bf16:" "awq16:--awq-group-size 128 --dtype float16"; do
        TAG=${cfg%%:*} SRT_ARGS="${cfg#*:}" SRT="latency:llama3-8b" COPY= peer

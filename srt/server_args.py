@@ -47,8 +47,8 @@ class ServerArgs:
     quantization: str | None = _f(
         None, "Weight quantization. fp8: the linear layers and experts of the language model "
         "quantized to FP8 (e4m3) at load, one scale per output channel; linear layers scale "
-        "activations per token (GPU: FP8 products in Triton for decode batches, torch._scaled_mm "
-        "for prefill on Hopper or newer; CPU: dequantized per product), experts are weight-only (an FP8 checkpoint loads as it is). awq / gptq: the "
+        "activations per token (GPU: torch._scaled_mm on Hopper or newer; CPU: dequantized per "
+        "product), experts are weight-only (an FP8 checkpoint loads as it is). awq / gptq: the "
         "checkpoint must be AWQ / GPTQ int4 (detected from its quantization_config anyway); "
         "awq_marlin / gptq_marlin (vLLM's and SGLang's names for their Marlin kernels) serve "
         "the same checkpoints on srt's int4 kernels; compressed-tensors: the checkpoint must be "

@@ -23,7 +23,14 @@ from srt.layers.attention.triton_ops import (  # noqa: E402
     decode_attention_fwd,
     extend_attention_fwd,
 )
-from srt.layers.attention.triton_ops.decode_attention import decode_workspace_numel  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from srt.layers.attention.triton_ops.decode_attention import (  # noqa: E402
+    _fp8_pair_halves,
+    decode_workspace_numel,
+    fp8_pairs,
+)
 from srt.layers.fused_triton import rope_and_store  # noqa: E402
 from srt.layers.kv_cache_dtype import dequantize_kv, quantize_kv  # noqa: E402
 from srt.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -74,7 +81,7 @@ def to_fp8_pool(pool, kv_dtype: torch.dtype, k_scale: float, v_scale: float, dty
 
 @pytest.mark.parametrize("scales", SCALES, ids=str)
 @pytest.mark.parametrize("kv_dtype", FP8, ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_decode_fp8_pool(dtype: torch.dtype, kv_dtype: torch.dtype, scales) -> None:
     k_scale, v_scale = scales
     g = torch.Generator().manual_seed(7)
@@ -92,11 +99,13 @@ def test_decode_fp8_pool(dtype: torch.dtype, kv_dtype: torch.dtype, scales) -> N
     assert rel_err(o, want) < TOL[dtype]
 
 
-def test_decode_fp8_pool_shared_prefix() -> None:
-    """The shared-prefix stage reads the FP8 pool with the same scales."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_fp8_pool_shared_prefix(dtype: torch.dtype) -> None:
+    """The shared-prefix stage reads the FP8 pool with the same scales (bfloat16: as words of
+    two channels)."""
     g = torch.Generator().manual_seed(3)
     shared, lens, k_scale, v_scale = 17, [18, 47, 24], 0.02, 0.015
-    dtype, kv_dtype = torch.float32, torch.float8_e4m3fn
+    kv_dtype = torch.float8_e4m3fn
     pool = make_pool(lens, lens, 2, 64, dtype, g)
     rows = pool.rows.tolist()
     for i in range(1, len(lens)):
@@ -112,6 +121,43 @@ def test_decode_fp8_pool_shared_prefix() -> None:
     want = torch.cat([reference(q[i:i + 1], pool.ctx_k[i], pool.ctx_v[i], n - 1, 0.125)
                       for i, n in enumerate(lens)])
     assert rel_err(o, want) < TOL[dtype]
+
+
+@triton.jit
+def _pair_halves_kernel(w_ptr, lo_ptr, hi_ptr, E5M2: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo, hi = _fp8_pair_halves(tl.load(w_ptr + offs), E5M2)
+    tl.store(lo_ptr + offs, lo)
+    tl.store(hi_ptr + offs, hi)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=str)
+def test_fp8_pair_halves_every_byte_pair(kv_dtype: torch.dtype) -> None:
+    """Every int16 word of two FP8 bytes: the low byte's value in the first float16 tile, the
+    high byte's in the second, exact (e4m3 times 2^-8), on every finite value, subnormals and
+    signed zeros included."""
+    b = torch.arange(256, dtype=torch.uint8)
+    pairs = torch.stack([b.repeat_interleave(256), b.repeat(256)], 1).contiguous()  # (lo, hi)
+    words = pairs.view(torch.int16).view(-1).to(DEV)
+    lo = torch.full((words.numel(),), NAN, dtype=torch.float16, device=DEV)
+    hi = torch.full_like(lo, NAN)
+    e5m2 = kv_dtype == torch.float8_e5m2
+    _pair_halves_kernel[(words.numel() // 1024,)](words, lo, hi, E5M2=e5m2, BLOCK=1024)
+    values = pairs.view(kv_dtype).float() * (1.0 if e5m2 else 2.0 ** -8)
+    finite = values.isfinite()
+    want = values.to(torch.float16)
+    for got, col in ((lo, 0), (hi, 1)):
+        ok = finite[:, col]
+        assert torch.equal(got.cpu()[ok].view(torch.int16), want[ok, col].view(torch.int16))
+
+
+def test_fp8_pairs_rule() -> None:
+    """Words of two channels for half-precision queries of an even head size >= 32."""
+    for kv in FP8:
+        assert fp8_pairs(torch.bfloat16, kv, 128) and fp8_pairs(torch.float16, kv, 64)
+        assert not fp8_pairs(torch.float32, kv, 128)  # float32 queries: tiles as float32
+        assert not fp8_pairs(torch.bfloat16, kv, 16) and not fp8_pairs(torch.bfloat16, kv, 65)
+    assert not fp8_pairs(torch.bfloat16, torch.bfloat16, 128)
 
 
 @pytest.mark.parametrize("scales", SCALES, ids=str)

@@ -41,7 +41,6 @@ from srt.layers.attention.triton_ops.decode_attention import (  # noqa: E402
     DECODE_MAX_KV_SPLITS,
     DECODE_MIN_TOKENS_PER_SPLIT,
     DECODE_NUM_STAGES,
-    DECODE_NUM_STAGES_FP8_KV,
     DECODE_NUM_STAGES_SMALL_HEAD,
     choose_shared_splits,
     decode_num_stages,
@@ -358,13 +357,10 @@ def test_decode_num_stages_fit_shared_memory() -> None:
     tiles on 99 KiB GPUs (one stage of d 128, 64 tokens, bf16 is 32 KiB), never below 2."""
     h200, small = 227 << 10, 99 << 10
     assert DECODE_NUM_STAGES == 3 and DECODE_NUM_STAGES_SMALL_HEAD == 4
-    assert 2 <= DECODE_NUM_STAGES_FP8_KV <= 3
     assert decode_num_stages(128, 64, 2, h200) == 3
     assert decode_num_stages(128, 64, 2, None) == 3  # unknown: the tuned depth
     assert decode_num_stages(128, 64, 2, small) == 2  # 3 x 32 KiB + 16 KiB > 99 KiB
-    # an FP8 pool: its own depth, and its tiles are half the size (3 x 16 KiB + 16 KiB fit)
-    assert decode_num_stages(128, 64, 1, h200) == DECODE_NUM_STAGES_FP8_KV
-    assert decode_num_stages(128, 64, 1, small) == DECODE_NUM_STAGES_FP8_KV
+    assert decode_num_stages(128, 64, 1, small) == 3  # an FP8 pool's tiles are half the size
     assert decode_num_stages(64, 64, 2, h200) == 4
     assert decode_num_stages(64, 64, 4, small) == 2  # float32, d 64: 4 x 32 KiB too many
     assert decode_num_stages(256, 64, 2, 48 << 10) == 2  # never below 2

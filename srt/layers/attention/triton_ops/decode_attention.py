@@ -35,6 +35,7 @@ import triton.language as tl
 from srt.layers.attention.triton_ops.prefill_attention import (
     LOG2E,
     _dot,
+    _mma,
     _online_softmax_step,
     check_heads,
     check_layout,
@@ -54,10 +55,6 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 # SmolLM2's heads (9 / 3, d 64) at batch 256 x 768: 4 stages 0.059 ms, 2 stages 0.065 ms.
 DECODE_NUM_STAGES_SMALL_HEAD = 4
-DECODE_NUM_STAGES_FP8_KV = 3  # an FP8 pool at head_dim > 64
-# The shared-prefix stage (BLOCK_M query rows a program) keeps 2: with 3, W2 (512 requests on
-# one 2,048-token prefix, eager steps) fell from 207 to 160 requests/s on one H200.
-DECODE_SHARED_NUM_STAGES = 2
 # Split rule: aim at PROGRAMS_PER_SM stage-1 programs per SM, never splits shorter than
 # MIN_TOKENS_PER_SPLIT, never more than MAX_KV_SPLITS splits.
 DECODE_PROGRAMS_PER_SM = 4
@@ -101,20 +98,28 @@ def device_shared_memory(device: torch.device | str | None = None) -> int | None
 
 def decode_num_stages(head_dim: int, block_n: int, kv_itemsize: int,
                       shared_memory: int | None) -> int:
-    """Stage 1's pipeline depth: DECODE_NUM_STAGES_SMALL_HEAD for head_dim <= 64, else
-    DECODE_NUM_STAGES_FP8_KV for a pool of 1-byte values and DECODE_NUM_STAGES for the rest;
-    less where `shared_memory` bytes per block (None: unknown, no limit) would not hold that
-    many K and V tiles with 16 KiB to spare (e.g. 99 KiB GPUs at d 128 bf16 get 2); never
+    """Stage 1's pipeline depth: DECODE_NUM_STAGES (DECODE_NUM_STAGES_SMALL_HEAD for head_dim
+    <= 64), less where `shared_memory` bytes per block (None: unknown, no limit) would not hold
+    that many K and V tiles with 16 KiB to spare (e.g. 99 KiB GPUs at d 128 get 2); never
     below 2."""
-    if head_dim <= 64:
-        stages = DECODE_NUM_STAGES_SMALL_HEAD
-    else:
-        stages = DECODE_NUM_STAGES_FP8_KV if kv_itemsize == 1 else DECODE_NUM_STAGES
+    stages = DECODE_NUM_STAGES_SMALL_HEAD if head_dim <= 64 else DECODE_NUM_STAGES
     tiles = 2 * block_n * triton.next_power_of_2(head_dim) * kv_itemsize  # one K and one V
     while (shared_memory is not None and stages > 2
            and stages * tiles + (16 << 10) > shared_memory):
         stages -= 1
     return stages
+
+
+def fp8_pairs(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the decode kernels read an FP8 pool as int16 words of two channels and compute
+    in float16 (_attend_range_pairs): half-precision queries, an even head_dim of at least 32
+    (each half a tl.dot operand of >= 16). Else FP8 tiles are converted to q's dtype as read,
+    which on a GPU reads them from shared memory a byte at a time (on one H200 at batch 128,
+    contexts of 100-1124: 110-116 us a layer, slower than a bf16 pool's 101 us for twice the
+    bytes)."""
+    return (kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            and q_dtype in (torch.bfloat16, torch.float16)
+            and head_dim % 2 == 0 and triton.next_power_of_2(head_dim) >= 32)
 
 
 def choose_shared_splits(bs: int, group: int, kv_heads: int, shared_len: int, *,
@@ -169,8 +174,8 @@ def _attend_range(q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_
                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """The online softmax of q's rows over context positions start..end-1, whose pool slots are
     slot_row[start:end]; returns the updated (m_i, l_i, acc). K and V tiles are taken in q's
-    dtype as stored (an FP8 pool's values are exact in bf16 / fp16): the caller folds an FP8
-    pool's k_scale into qk_scale and multiplies the result by v_scale (_fp8_scales)."""
+    dtype as stored (an FP8 pool's values are exact in every float dtype): the caller folds an
+    FP8 pool's k_scale into qk_scale and multiplies the result by v_scale (_fp8_scales)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         cur_n = start_n + offs_n
@@ -189,14 +194,125 @@ def _attend_range(q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_
 
 
 @triton.jit
-def _fp8_scales(qk_scale, k_scale, v_scale, KV_FP8: tl.constexpr):
-    """(the score scale, the output scale) of _attend_range: an FP8 pool's stored values times
-    k_scale / v_scale are the keys / values, so q.(s k) = s (q.k) and sum p (s v) = s sum p v:
-    the scales cost one multiply per row instead of one per K/V element."""
-    if KV_FP8:
-        return qk_scale * k_scale, v_scale
+def _fp8_pair_halves(words, E5M2: tl.constexpr):
+    """int16 words that each hold two FP8 values of consecutive channels (the even channel in
+    the low byte) as two float16 tiles, (even channels, odd channels), with integer operations
+    only: an e5m2 byte is the top byte of a float16 (exact); e4m3's sign, exponent and mantissa
+    moved into a float16's fields unchanged give the value times 2^-8 (exact, subnormals too:
+    E4M3_PAIR_SCALE undoes it)."""
+    u = words.to(tl.uint16, bitcast=True).to(tl.uint32)
+    if E5M2:
+        lo = u << 8
+        hi = u & 0xFF00
     else:
-        return qk_scale, 1.0
+        lo = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
+        hi = (u & 0x8000) | ((u & 0x7F00) >> 1)
+    return (lo.to(tl.uint16).to(tl.float16, bitcast=True),
+            hi.to(tl.uint16).to(tl.float16, bitcast=True))
+
+
+@triton.jit
+def _attend_range_pairs(q_lo, q_hi, slot_row, kbuf_base, vbuf_base, stride_kbuf_t,
+                        stride_vbuf_t, start, end, qk_scale, m_i, l_i, acc_lo, acc_hi, offs_p,
+                        mask_p, BLOCK_N: tl.constexpr, E5M2: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """_attend_range over an FP8 pool read as int16 words of two channels (kbuf_base,
+    vbuf_base and their strides in words; offs_p: word columns): the even and odd channels
+    are separate float16 tiles, so q (q_lo, q_hi) and the output (acc_lo, acc_hi) are split
+    the same way. Reading words keeps the tiles' shared-memory traffic 16-bit (FP8 tiles are
+    read byte by byte); float16 holds e4m3 and e5m2 values exactly."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        cur_n = start_n + offs_n
+        mask_n = cur_n < end
+        slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_p[None, :]
+        k_lo, k_hi = _fp8_pair_halves(
+            tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_p[None, :], mask=kv_mask,
+                    other=0), E5M2)
+        qk = _mma(q_hi, tl.trans(k_hi), _dot(q_lo, tl.trans(k_lo), DOT_PRECISION, UPCAST),
+                  DOT_PRECISION, UPCAST)
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        v_lo, v_hi = _fp8_pair_halves(
+            tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_p[None, :], mask=kv_mask,
+                    other=0), E5M2)
+        # _online_softmax_step with the values in two halves
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p16 = p.to(tl.float16)
+        acc_lo = _mma(p16, v_lo, acc_lo * alpha[:, None], DOT_PRECISION, UPCAST)
+        acc_hi = _mma(p16, v_hi, acc_hi * alpha[:, None], DOT_PRECISION, UPCAST)
+        m_i = m_new
+    return m_i, l_i, acc_lo, acc_hi
+
+
+@triton.jit
+def _fp8_scales(qk_scale, k_scale, v_scale, KV_FP8: tl.constexpr, PAIRS: tl.constexpr,
+                E5M2: tl.constexpr):
+    """(the score scale, the output scale) of the attend loops. An FP8 pool's stored values
+    times k_scale / v_scale are the keys / values, so q.(s k) = s (q.k) and sum p (s v) =
+    s sum p v: the scales cost one multiply per row instead of one per K/V element; e4m3
+    words read as pairs come out 2^-8 small (_fp8_pair_halves), undone here as well."""
+    if KV_FP8:
+        qk_scale = qk_scale * k_scale
+        out_scale = v_scale
+        if PAIRS and not E5M2:
+            qk_scale = qk_scale * 256.0
+            out_scale = out_scale * 256.0
+    else:
+        out_scale = 1.0
+    return qk_scale, out_scale
+
+
+@triton.jit
+def _attend_store(q_rows, mask_rows, slot_row, kbuf_base, vbuf_base, stride_kbuf_t,
+                  stride_vbuf_t, start, end, qk_scale, k_scale, v_scale, o_rows, lse_ptrs,
+                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                  KV_FP8: tl.constexpr, PAIRS: tl.constexpr, E5M2: tl.constexpr):
+    """Attend ROWS query rows (q_rows: pointers to each row's first channel) over context
+    positions start..end-1 and store each row's normalised partial output at o_rows (its first
+    channel) and its log2-sum-exp2 at lse_ptrs. PAIRS: an FP8 pool read as int16 words of two
+    channels (_attend_range_pairs), the pool's pointers and strides in words."""
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    if PAIRS:
+        BLOCK_P: tl.constexpr = BLOCK_D // 2
+        offs_p = tl.arange(0, BLOCK_P)
+        mask_p = offs_p < HEAD_DIM // 2
+        q_mask = mask_rows[:, None] & mask_p[None, :]
+        q_ptrs = q_rows[:, None] + 2 * offs_p[None, :]
+        # float16 queries; bf16 ones beyond float16's range (|q| > 65504) are clamped to it
+        q_lo = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
+        q_hi = tl.load(q_ptrs + 1, mask=q_mask, other=0.0).to(tl.float32)
+        q_lo = tl.minimum(tl.maximum(q_lo, -65504.0), 65504.0).to(tl.float16)
+        q_hi = tl.minimum(tl.maximum(q_hi, -65504.0), 65504.0).to(tl.float16)
+        qk_scale, out_scale = _fp8_scales(qk_scale, k_scale, v_scale, KV_FP8, PAIRS, E5M2)
+        acc_lo = tl.zeros([ROWS, BLOCK_P], dtype=tl.float32)
+        acc_hi = tl.zeros([ROWS, BLOCK_P], dtype=tl.float32)
+        m_i, l_i, acc_lo, acc_hi = _attend_range_pairs(
+            q_lo, q_hi, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_t, start,
+            end, qk_scale, m_i, l_i, acc_lo, acc_hi, offs_p, mask_p, BLOCK_N, E5M2,
+            DOT_PRECISION, UPCAST)
+        w = (out_scale / l_i)[:, None]
+        o_ptrs = o_rows[:, None] + 2 * offs_p[None, :]
+        tl.store(o_ptrs, acc_lo * w, mask=q_mask)
+        tl.store(o_ptrs + 1, acc_hi * w, mask=q_mask)
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        mask = mask_rows[:, None] & mask_d[None, :]
+        q = tl.load(q_rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        qk_scale, out_scale = _fp8_scales(qk_scale, k_scale, v_scale, KV_FP8, PAIRS, E5M2)
+        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        m_i, l_i, acc = _attend_range(
+            q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_t, start, end,
+            qk_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N, DOT_PRECISION, UPCAST)
+        tl.store(o_rows[:, None] + offs_d[None, :], acc * (out_scale / l_i)[:, None],
+                 mask=mask)
+    tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=mask_rows)
 
 
 # Integer arguments that vary between steps are not specialized on (Triton would otherwise
@@ -224,6 +340,8 @@ def _decode_stage1_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PAIRS: tl.constexpr,  # an FP8 pool read as int16 words (K_Buffer/V_Buffer and strides)
+    E5M2: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     cur_kv_head = tl.program_id(1)
@@ -240,28 +358,14 @@ def _decode_stage1_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < KV_GROUP
     cur_heads = cur_kv_head * KV_GROUP + offs_h
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-
-    q_ptrs = (Q + cur_batch.to(tl.int64) * stride_qb + cur_heads[:, None] * stride_qh
-              + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-
-    qk_scale, out_scale = _fp8_scales(qk_scale, k_scale, v_scale, KV_FP8)
-    m_i, l_i, acc = _attend_range(
-        q, Req_To_Token + row * stride_r2t, K_Buffer + cur_kv_head * stride_kbuf_h,
-        V_Buffer + cur_kv_head * stride_vbuf_h, stride_kbuf_t, stride_vbuf_t, split_start,
-        split_end, qk_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N, DOT_PRECISION, UPCAST)
-
     # partial result of this split, normalised, and its log2-sum-exp2
     base = (cur_batch.to(tl.int64) * num_heads + cur_heads) * total_splits + split  # [BLOCK_H]
-    o_ptrs = Mid_O + base[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(o_ptrs, acc * (out_scale / l_i)[:, None], mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(Mid_Lse + base, m_i + tl.math.log2(l_i), mask=mask_h)
+    _attend_store(
+        Q + cur_batch.to(tl.int64) * stride_qb + cur_heads * stride_qh, mask_h,
+        Req_To_Token + row * stride_r2t, K_Buffer + cur_kv_head * stride_kbuf_h,
+        V_Buffer + cur_kv_head * stride_vbuf_h, stride_kbuf_t, stride_vbuf_t, split_start,
+        split_end, qk_scale, k_scale, v_scale, Mid_O + base * HEAD_DIM, Mid_Lse + base,
+        BLOCK_H, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, UPCAST, KV_FP8, PAIRS, E5M2)
 
 
 @triton.jit(do_not_specialize=["bs", "num_splits", "total_splits", "shared_len",
@@ -290,6 +394,8 @@ def _decode_shared_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PAIRS: tl.constexpr,
+    E5M2: tl.constexpr,
 ):
     cur_kv_head = tl.program_id(0)
     block_m = tl.program_id(1)
@@ -307,27 +413,13 @@ def _decode_shared_kernel(
     mask_m = offs_m < bs * KV_GROUP
     batch = offs_m // KV_GROUP
     heads = cur_kv_head * KV_GROUP + offs_m % KV_GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-
-    q_ptrs = (Q + batch.to(tl.int64)[:, None] * stride_qb + heads[:, None] * stride_qh
-              + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    qk_scale, out_scale = _fp8_scales(qk_scale, k_scale, v_scale, KV_FP8)
-    m_i, l_i, acc = _attend_range(
-        q, Req_To_Token + row * stride_r2t, K_Buffer + cur_kv_head * stride_kbuf_h,
-        V_Buffer + cur_kv_head * stride_vbuf_h, stride_kbuf_t, stride_vbuf_t, split_start,
-        split_end, qk_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N, DOT_PRECISION, UPCAST)
-
     base = (batch.to(tl.int64) * num_heads + heads) * total_splits + num_splits + split
-    o_ptrs = Mid_O + base[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(o_ptrs, acc * (out_scale / l_i)[:, None], mask=mask_m[:, None] & mask_d[None, :])
-    tl.store(Mid_Lse + base, m_i + tl.math.log2(l_i), mask=mask_m)
+    _attend_store(
+        Q + batch.to(tl.int64) * stride_qb + heads * stride_qh, mask_m,
+        Req_To_Token + row * stride_r2t, K_Buffer + cur_kv_head * stride_kbuf_h,
+        V_Buffer + cur_kv_head * stride_vbuf_h, stride_kbuf_t, stride_vbuf_t, split_start,
+        split_end, qk_scale, k_scale, v_scale, Mid_O + base * HEAD_DIM, Mid_Lse + base,
+        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, UPCAST, KV_FP8, PAIRS, E5M2)
 
 
 @triton.jit(do_not_specialize=["num_splits", "total_splits", "shared_len", "shared_splits"])
@@ -436,15 +528,19 @@ def decode_attention_fwd(
     block_d = triton.next_power_of_2(head_dim)
     stages = decode_num_stages(head_dim, block_n, k_buffer.element_size(),
                                device_shared_memory(q.device))
+    pairs = fp8_pairs(q.dtype, k_buffer.dtype, head_dim)
+    kbuf, vbuf = (k_buffer.view(torch.int16), v_buffer.view(torch.int16)) if pairs else (
+        k_buffer, v_buffer)
+    e5m2 = k_buffer.dtype == torch.float8_e5m2
     _decode_stage1_kernel[(bs, kv_heads, num_kv_splits)](
-        q, k_buffer, v_buffer,
+        q, kbuf, vbuf,
         req_to_token, req_pool_indices, seq_lens,
         mid_o, mid_lse,
         sm_scale * LOG2E,
         float(k_scale), float(v_scale),
         q.stride(0), q.stride(1),
-        k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1),
+        kbuf.stride(0), kbuf.stride(1),
+        vbuf.stride(0), vbuf.stride(1),
         req_to_token.stride(0),
         heads,
         num_kv_splits,
@@ -458,20 +554,22 @@ def decode_attention_fwd(
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST=interpret_upcast(q.dtype),
         KV_FP8=kv_fp8,
+        PAIRS=pairs,
+        E5M2=e5m2,
         num_warps=DECODE_NUM_WARPS,
         num_stages=stages,
     )
     if shared_len > 0:
         block_m = DECODE_SHARED_BLOCK_M
         _decode_shared_kernel[(kv_heads, triton.cdiv(bs * group, block_m), shared_splits)](
-            q, k_buffer, v_buffer,
+            q, kbuf, vbuf,
             req_to_token, req_pool_indices,
             mid_o, mid_lse,
             sm_scale * LOG2E,
             float(k_scale), float(v_scale),
             q.stride(0), q.stride(1),
-            k_buffer.stride(0), k_buffer.stride(1),
-            v_buffer.stride(0), v_buffer.stride(1),
+            kbuf.stride(0), kbuf.stride(1),
+            vbuf.stride(0), vbuf.stride(1),
             req_to_token.stride(0),
             bs,
             heads,
@@ -487,8 +585,10 @@ def decode_attention_fwd(
             DOT_PRECISION=dot_precision(q.dtype),
             UPCAST=interpret_upcast(q.dtype),
             KV_FP8=kv_fp8,
+            PAIRS=pairs,
+            E5M2=e5m2,
             num_warps=DECODE_NUM_WARPS,
-            num_stages=min(stages, DECODE_SHARED_NUM_STAGES),
+            num_stages=stages,
         )
     _decode_stage2_kernel[(bs, heads)](
         mid_o, mid_lse, o, seq_lens,
@@ -515,4 +615,5 @@ __all__ = [
     "decode_workspace",
     "decode_workspace_numel",
     "device_num_sms",
+    "fp8_pairs",
 ]
