@@ -380,7 +380,9 @@ def test_choose_shared_splits() -> None:
 
 def test_choose_num_kv_splits() -> None:
     sms = 132
-    assert choose_num_kv_splits(64, 8, 2048, num_sms=sms) == 2
+    assert choose_num_kv_splits(64, 8, 2048, num_sms=sms) == 3  # 1056 programs / 512
+    assert choose_num_kv_splits(128, 8, 2048, num_sms=sms) == 2
+    assert choose_num_kv_splits(256, 8, 2048, num_sms=sms) == 1
     assert choose_num_kv_splits(1, 8, 8192, num_sms=sms) == DECODE_MAX_KV_SPLITS
     assert DECODE_MIN_TOKENS_PER_SPLIT == 128
     assert choose_num_kv_splits(1, 8, 100, num_sms=sms) == 1  # >= 128 tokens a split

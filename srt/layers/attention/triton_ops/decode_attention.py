@@ -56,8 +56,12 @@ DECODE_NUM_STAGES = 3
 # SmolLM2's heads (9 / 3, d 64) at batch 256 x 768: 4 stages 0.059 ms, 2 stages 0.065 ms.
 DECODE_NUM_STAGES_SMALL_HEAD = 4
 # Split rule: aim at PROGRAMS_PER_SM stage-1 programs per SM, never splits shorter than
-# MIN_TOKENS_PER_SPLIT, never more than MAX_KV_SPLITS splits.
-DECODE_PROGRAMS_PER_SM = 4
+# MIN_TOKENS_PER_SPLIT, never more than MAX_KV_SPLITS splits. 8 (was 4) from the H200 sweeps of
+# unequal contexts (100-1124 tokens): batch 128 gets 2 splits (bf16 pool 96.6-98.2 us a layer
+# against 101.2-110.8 with 1; FP8 pool 95.0 against 101.1), batch 64 3 (59.4 us, 2: 59.7),
+# batch 256 still 1. The shared-prefix stage keeps 4 (DECODE_SHARED_PROGRAMS_PER_SM).
+DECODE_PROGRAMS_PER_SM = 8
+DECODE_SHARED_PROGRAMS_PER_SM = 4
 DECODE_MIN_TOKENS_PER_SPLIT = 128
 DECODE_MAX_KV_SPLITS = 64
 DECODE_SHARED_BLOCK_M = 64  # query rows (request x head) per program of the shared stage
@@ -125,10 +129,10 @@ def fp8_pairs(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> boo
 def choose_shared_splits(bs: int, group: int, kv_heads: int, shared_len: int, *,
                          num_sms: int | None = None,
                          max_splits: int = DECODE_MAX_KV_SPLITS) -> int:
-    """Splits of the shared-prefix stage: about DECODE_PROGRAMS_PER_SM programs per SM over
+    """Splits of the shared-prefix stage: about DECODE_SHARED_PROGRAMS_PER_SM programs per SM over
     its (kv_heads x row blocks) grid, at least 256 prefix tokens a split. Host ints only."""
     row_blocks = triton.cdiv(bs * group, DECODE_SHARED_BLOCK_M)
-    target = (num_sms if num_sms is not None else device_num_sms()) * DECODE_PROGRAMS_PER_SM
+    target = (num_sms if num_sms is not None else device_num_sms()) * DECODE_SHARED_PROGRAMS_PER_SM
     want = triton.cdiv(target, max(1, kv_heads * row_blocks))
     return max(1, min(want, triton.cdiv(max(1, shared_len), 256), max_splits))
 
@@ -141,8 +145,9 @@ def choose_num_kv_splits(
     num_sms: int | None = None,
     max_splits: int = DECODE_MAX_KV_SPLITS,
 ) -> int:
-    """splits = clamp(ceil(num_sms * 4 / (bs * kv_heads)), 1, max_splits), further limited so a
-    split of the longest context holds at least DECODE_MIN_TOKENS_PER_SPLIT tokens. Host ints only; deterministic."""
+    """splits = clamp(ceil(num_sms * DECODE_PROGRAMS_PER_SM / (bs * kv_heads)), 1, max_splits),
+    further limited so a split of the longest context holds at least
+    DECODE_MIN_TOKENS_PER_SPLIT tokens. Host ints only; deterministic."""
     target = (num_sms if num_sms is not None else device_num_sms()) * DECODE_PROGRAMS_PER_SM
     splits = triton.cdiv(target, max(1, bs * kv_heads))
     splits = min(splits, triton.cdiv(max(1, max_seq_len), DECODE_MIN_TOKENS_PER_SPLIT))
