@@ -10,10 +10,10 @@ fresh pool hands out a prompt's slots) or anywhere (`random`); `--kv-dtype fp8` 
 in float8_e4m3fn (scales 0.5 / 0.25). `--shared P` puts one P-token prefix (the same slots)
 before every request's own tokens, as W2's batches of one system prompt have it, and times the
 shared-prefix stage at its chosen split count with stage 1 over the own tokens (both at the
-`--stages` depth). Times the Triton decode kernel at every split count
-and tile given, with the split count the backend chooses marked, and the FlashInfer backend on
-the same batch (bf16, no shared prefix), all replayed from CUDA graphs. `frac_of_copy`: K/V bytes
-read per second over a device-to-device copy's rate measured in the same run.
+`--stages` depth). Times the Triton decode kernel at every split count and tile given, with the
+split count the backend chooses marked, and the other `--backends` on the same batch (bf16
+pool, no shared prefix only), all replayed from CUDA graphs. `frac_of_copy`: K/V bytes read
+per second over a device-to-device copy's rate measured in the same run.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def main() -> None:
     a = ap.parse_args()
     lo, hi = (int(x) for x in a.lens.split("-"))
     kv_dtype = torch.float8_e4m3fn if a.kv_dtype == "fp8" else ba.DTYPE
-    if a.shared or a.kv_dtype == "fp8":  # Triton's kernels only: no shared stage or scales
-        a.backends = "triton"             # in the other backends' runs here
+    # the other backends' runs here have no shared-prefix stage and no FP8 scales
+    backends = "triton" if a.shared or a.kv_dtype == "fp8" else a.backends
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows: list[dict[str, Any]] = []
@@ -139,7 +139,7 @@ def main() -> None:
                              "ms": ms, "frac_of_copy": case.kv_bytes / (ms / 1e3) / bw})
                 print(rows[-1], flush=True)
 
-        if "triton" in a.backends:
+        if "triton" in backends:
             saved = (dec.DECODE_BLOCK_N, dec.DECODE_NUM_WARPS, dec.DECODE_NUM_STAGES)
             for splits, block_n, warps, stages in itertools.product(
                     a.splits, a.block_n, a.warps, a.stages):
@@ -148,7 +148,7 @@ def main() -> None:
                 add("triton", case.triton(splits), splits=splits, block_n=block_n,
                     warps=warps, stages=stages, chosen=splits == chosen)
             dec.DECODE_BLOCK_N, dec.DECODE_NUM_WARPS, dec.DECODE_NUM_STAGES = saved
-        for name in a.backends.split(","):
+        for name in backends.split(","):
             if name != "triton":
                 add(name, case.backend(name))
         del case

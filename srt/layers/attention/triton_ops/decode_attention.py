@@ -18,6 +18,12 @@ shared_splits), reads the prefix's K/V once for BLOCK_M query rows of all reques
 (rows = request x head of the KV group) instead of once per request; its partial results are
 extra splits that stage 2 merges like the others.
 
+An FP8 pool (`k_scale`, `v_scale` per layer) is read, for half-precision queries, as int16
+words of two channels and computed in float16 (`fp8_pairs`, `_attend_range_pairs`): the even
+and odd channels are separate tiles, so that the tiles' shared-memory traffic stays 16-bit
+(FP8 tiles converted as read reach the tensor cores through byte loads); the scales are folded
+into the score and output scales (`_fp8_scales`).
+
 The workspace (see `decode_workspace`) is one flat float32 buffer: per call the first
 bs * H * S * D floats hold the partial outputs [bs, H, S, D] and the next bs * H * S the LSEs
 [bs, H, S], where S = num_kv_splits + shared_splits. Allocate it once and reuse it: the call does no
@@ -174,6 +180,15 @@ def _decode_split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _block_slots(slot_row, start_n, end, BLOCK_N: tl.constexpr):
+    """(mask, pool slots as int64) of context positions start_n .. start_n + BLOCK_N - 1
+    (those at or past `end` masked, slot 0)."""
+    cur_n = start_n + tl.arange(0, BLOCK_N)
+    mask_n = cur_n < end
+    return mask_n, tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
+
+
+@triton.jit
 def _attend_range(q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_t, start, end,
                   qk_scale, m_i, l_i, acc, offs_d, mask_d,
                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -181,11 +196,8 @@ def _attend_range(q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_
     slot_row[start:end]; returns the updated (m_i, l_i, acc). K and V tiles are taken in q's
     dtype as stored (an FP8 pool's values are exact in every float dtype): the caller folds an
     FP8 pool's k_scale into qk_scale and multiplies the result by v_scale (_fp8_scales)."""
-    offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
-        cur_n = start_n + offs_n
-        mask_n = cur_n < end
-        slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
+        mask_n, slots = _block_slots(slot_row, start_n, end, BLOCK_N)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask=kv_mask,
                     other=0.0).to(q.dtype)
@@ -203,8 +215,8 @@ def _fp8_pair_halves(words, E5M2: tl.constexpr):
     """int16 words that each hold two FP8 values of consecutive channels (the even channel in
     the low byte) as two float16 tiles, (even channels, odd channels), with integer operations
     only: an e5m2 byte is the top byte of a float16 (exact); e4m3's sign, exponent and mantissa
-    moved into a float16's fields unchanged give the value times 2^-8 (exact, subnormals too:
-    E4M3_PAIR_SCALE undoes it)."""
+    moved into a float16's fields unchanged give the value times 2^-8 (exact, subnormals too;
+    _fp8_scales undoes it)."""
     u = words.to(tl.uint16, bitcast=True).to(tl.uint32)
     if E5M2:
         lo = u << 8
@@ -226,11 +238,8 @@ def _attend_range_pairs(q_lo, q_hi, slot_row, kbuf_base, vbuf_base, stride_kbuf_
     are separate float16 tiles, so q (q_lo, q_hi) and the output (acc_lo, acc_hi) are split
     the same way. Reading words keeps the tiles' shared-memory traffic 16-bit (FP8 tiles are
     read byte by byte); float16 holds e4m3 and e5m2 values exactly."""
-    offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
-        cur_n = start_n + offs_n
-        mask_n = cur_n < end
-        slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
+        mask_n, slots = _block_slots(slot_row, start_n, end, BLOCK_N)
         kv_mask = mask_n[:, None] & mask_p[None, :]
         k_lo, k_hi = _fp8_pair_halves(
             tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_p[None, :], mask=kv_mask,
