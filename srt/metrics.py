@@ -65,6 +65,15 @@ class ServerMetrics:
                                    "over the pool size.", registry=reg)
         self.hit_rate = prom.Gauge("srt_cache_hit_rate", "Prompt tokens found in the prefix "
                                    "cache over all prompt tokens, since start.", registry=reg)
+        # Speculative decoding (0 while it is off): SGLang's names.
+        self.spec_accept_length = prom.Gauge(
+            "srt_spec_accept_length", "Output tokens per request and verification step, the "
+            "token after the accepted drafts included, since start.", registry=reg)
+        self.spec_accept_rate = prom.Gauge(
+            "srt_spec_accept_rate", "Accepted over proposed draft tokens, since start.",
+            registry=reg)
+        self.spec_verify_steps = prom.Gauge(
+            "srt_spec_verify_steps", "Verification steps run since start.", registry=reg)
         self._timings: dict[str, _Timing] = {}
 
     @classmethod
@@ -118,6 +127,10 @@ class ServerMetrics:
         free = stats["available_kv_tokens"] + stats["evictable_kv_tokens"]
         self.kv_usage.set(max(0.0, (total - free) / total))
         self.hit_rate.set(stats["cache_hit_rate"])
+        spec = stats.get("speculative") or {}
+        self.spec_accept_length.set(spec.get("accept_length", 0.0))
+        self.spec_accept_rate.set(spec.get("accept_rate", 0.0))
+        self.spec_verify_steps.set(spec.get("verify_steps", 0))
 
     def render(self) -> tuple[bytes, str]:
         return self.prom.generate_latest(self.registry), self.prom.CONTENT_TYPE_LATEST

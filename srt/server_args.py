@@ -146,6 +146,33 @@ class ServerArgs:
         "step is launched from the sampled ids on the device while the host reads the step "
         "before and does its work (stop checks, streaming, admission); batches with an FSM "
         "mask or penalties wait for the host first.")
+    # Speculative decoding (SGLang's flag names; srt/model_process/speculative/)
+    speculative_algorithm: str | None = _f(
+        None, "Speculative decoding: NGRAM drafts each request's next tokens from its own "
+        "prompt and output (prompt lookup, no extra model) and the model verifies them in one "
+        "step; greedy output is unchanged and sampling keeps the model's distribution "
+        "(rejection sampling). STANDALONE / EAGLE / EAGLE3 are not implemented yet (refused).",
+        ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3"))
+    speculative_draft_model_path: str | None = _f(
+        None, "Draft model directory (STANDALONE, EAGLE, EAGLE3; not implemented yet).")
+    speculative_num_steps: int | None = _f(
+        None, "Draft steps per verification (draft-model algorithms; not implemented yet).")
+    speculative_eagle_topk: int | None = _f(
+        None, "Branching of an EAGLE draft tree (not implemented yet).")
+    speculative_num_draft_tokens: int | None = _f(
+        None, "Tokens verified per step and request, the last accepted one included (so at "
+        "most this minus one draft tokens). Default for NGRAM: 5.")
+    speculative_accept_threshold_single: float = _f(
+        1.0, "SGLang's relaxed acceptance of a draft token; only 1.0 (exact: the output "
+        "distribution is the model's) is supported.")
+    speculative_ngram_min_match_window_size: int = _f(
+        1, "NGRAM: shortest suffix of a request's tokens looked up in its own tokens.")
+    speculative_ngram_max_match_window_size: int = _f(
+        12, "NGRAM: longest suffix looked up (the longest one found wins, its latest "
+        "occurrence).")
+    speculative_disable_by_batch_size: int = _f(
+        32, "Decode without drafts while this many requests or more run (verifying drafts "
+        "costs throughput once a step is no longer bound by reading the weights).")
     skip_warmup: bool = _f(False, "Report ready without first serving two small warm-up "
                            "requests (they compile the fill kernels at start-up instead of in "
                            "the first users' requests).")
@@ -296,6 +323,7 @@ class ServerArgs:
             self.dist_init  # noqa: B018 - raises if malformed
             if self.dist_timeout <= 0:
                 raise ValueError("--dist-timeout must be > 0")
+        self._validate_speculative()
         if self.fault is not None:
             from srt.faults import FaultSpec
 
@@ -319,6 +347,46 @@ class ServerArgs:
                 self.allowed_local_media_path):
             raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path!r} is "
                              "not a directory")
+
+    @property
+    def speculative_draft_tokens(self) -> int:
+        """Draft tokens per request and verification (0: speculation off)."""
+        if self.speculative_algorithm is None:
+            return 0
+        return (self.speculative_num_draft_tokens or 5) - 1
+
+    def _validate_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            given = [n for n in ("speculative_draft_model_path", "speculative_num_steps",
+                                 "speculative_eagle_topk", "speculative_num_draft_tokens")
+                     if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"--{given[0].replace('_', '-')} needs "
+                                 "--speculative-algorithm")
+            return
+        if algo != "NGRAM":
+            raise ValueError(f"--speculative-algorithm {algo} is not implemented in srt yet "
+                             "(NGRAM is: it drafts from each request's own tokens)")
+        for name in ("speculative_draft_model_path", "speculative_num_steps",
+                     "speculative_eagle_topk"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} does not apply to "
+                                 "--speculative-algorithm NGRAM (it has no draft model)")
+        n = self.speculative_num_draft_tokens
+        if n is not None and not 2 <= n <= 64:
+            raise ValueError("--speculative-num-draft-tokens must be in 2..64 (the last "
+                             "accepted token plus at least one draft)")
+        if self.speculative_accept_threshold_single != 1.0:
+            raise ValueError("--speculative-accept-threshold-single must be 1.0: srt accepts "
+                             "draft tokens exactly (relaxed acceptance changes the output)")
+        lo, hi = (self.speculative_ngram_min_match_window_size,
+                  self.speculative_ngram_max_match_window_size)
+        if not 1 <= lo <= hi:
+            raise ValueError("--speculative-ngram-min-match-window-size must be >= 1 and <= "
+                             "--speculative-ngram-max-match-window-size")
+        if self.speculative_disable_by_batch_size < 1:
+            raise ValueError("--speculative-disable-by-batch-size must be >= 1")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -64,15 +64,9 @@ def _exponential_noise(info: SamplingBatchInfo, shape: torch.Size, device: torch
     return noise
 
 
-def sample(logits: torch.Tensor, info: SamplingBatchInfo,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits: [bs, vocab] float32 -> next token ids [bs] int64 (on the logits' device)."""
-    logits = apply_penalties(logits, info)
-    if info.forbidden is not None:
-        logits = logits.masked_fill(info.forbidden, float("-inf"))
-    greedy = logits.argmax(dim=-1)
-    if info.all_greedy:
-        return greedy
+def _filtered_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """The distribution each sampled row draws from: softmax at its temperature, then top-k /
+    top-p / min-p (greedy rows get temperature 1; their probabilities are not used)."""
     is_greedy = info.temperatures == 0
     temps = torch.where(is_greedy, torch.ones_like(info.temperatures), info.temperatures)
     probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
@@ -88,6 +82,63 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo,
     if info.need_min_p:
         top = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < info.min_ps.unsqueeze(1) * top, 0.0)
+    return probs
+
+
+def _masked_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    logits = apply_penalties(logits, info)
+    if info.forbidden is not None:
+        logits = logits.masked_fill(info.forbidden, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, info: SamplingBatchInfo,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits: [bs, vocab] float32 -> next token ids [bs] int64 (on the logits' device)."""
+    logits = _masked_logits(logits, info)
+    greedy = logits.argmax(dim=-1)
+    if info.all_greedy:
+        return greedy
+    probs = _filtered_probs(logits, info)
     noise = _exponential_noise(info, probs.shape, probs.device, generator)
     sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(is_greedy, greedy, sampled)
+    return torch.where(info.temperatures == 0, greedy, sampled)
+
+
+def _uniform(info: SamplingBatchInfo, n: int, device: torch.device,
+             generator: torch.Generator | None) -> torch.Tensor:
+    """One U[0, 1) draw per row; a seeded row's from (seed, position), like its noise."""
+    u = torch.rand(n, device=device, generator=generator)
+    for row, seed in enumerate(info.seeds):
+        if seed is None:
+            continue
+        g = torch.Generator(device=device)
+        g.manual_seed((seed * 0xD6E8FEB86659FD93 + info.positions[row] * 0x94D049BB133111EB
+                       + 1) & ((1 << 63) - 1))
+        u[row] = torch.rand(1, device=device, generator=g)[0]
+    return u
+
+
+def verify_sample(logits: torch.Tensor, info: SamplingBatchInfo, draft_next: torch.Tensor,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """The token the model emits at each row of a verification step, given the draft token
+    that follows the row (draft_next[r], -1 where no draft follows: the row is sampled as by
+    `sample`). A greedy row emits its argmax: the draft is accepted iff it equals it. A sampled
+    row accepts the draft d with probability p(d) and otherwise draws from p without d
+    (renormalized), p being the row's filtered distribution; a draft that is a fixed token
+    (q(d) = 1) makes this the exact rejection rule, so every emitted token is distributed as p.
+    A row emitting its draft token means the draft was accepted there."""
+    logits = _masked_logits(logits, info)
+    greedy = logits.argmax(dim=-1)
+    if info.all_greedy:
+        return greedy
+    probs = _filtered_probs(logits, info)
+    has = draft_next >= 0
+    d = draft_next.clamp(min=0).unsqueeze(1)
+    p_d = probs.gather(1, d).squeeze(1) * has
+    accept = _uniform(info, probs.shape[0], probs.device, generator) < p_d
+    residual = torch.where(has.unsqueeze(1), probs.scatter(1, d, 0.0), probs)
+    noise = _exponential_noise(info, probs.shape, probs.device, generator)
+    drawn = (residual / noise).argmax(dim=-1)  # argmax of p / Exp(1): a draw from p, unscaled
+    out = torch.where(accept, draft_next, drawn)
+    return torch.where(info.temperatures == 0, greedy, out)

@@ -61,6 +61,7 @@ class DetokenizerManager:
             completion_tokens=o.completion_tokens,
             finish_reason=o.finish_reason,
             forward_passes=o.forward_passes,
+            spec=o.spec,
             input_logprobs=self._with_texts(o.input_logprobs, o.return_text_in_logprobs),
             output_logprobs=self._with_texts(o.output_logprobs, o.return_text_in_logprobs),
         )

@@ -157,6 +157,16 @@ class TokenLogprobs:
 
 @message
 @dataclass
+class SpecCounts:
+    """A request's speculative decoding so far (meta_info's spec_* fields are built from it)."""
+
+    verify_ct: int = 0  # verification steps (every decode step of a speculating server)
+    draft_tokens: int = 0  # draft tokens proposed
+    accepted_tokens: int = 0  # of those, accepted
+
+
+@message
+@dataclass
 class TokenOut:
     """New output token ids of one request since its last TokenOut."""
 
@@ -169,6 +179,9 @@ class TokenOut:
     # | {"type": "abort", "message": str} when finished.
     finish_reason: dict[str, Any] | None = None
     forward_passes: int = 0  # model forwards the request took part in so far
+    # Speculative decoding (None: off): verification steps the request took part in, draft
+    # tokens proposed for it and draft tokens accepted, so far.
+    spec: SpecCounts | None = None
     # Decoding options the detokenizer needs (sent with every TokenOut; they are small).
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -230,6 +243,7 @@ class StrOut:
     completion_tokens: int
     finish_reason: dict[str, Any] | None = None
     forward_passes: int = 0
+    spec: SpecCounts | None = None
     # As in TokenOut (new entries only), with texts when the request asked for them.
     input_logprobs: TokenLogprobs | None = None
     output_logprobs: TokenLogprobs | None = None

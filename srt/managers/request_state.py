@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from srt.managers.io_struct import StrOut, TokenLogprobs
+from srt.managers.io_struct import SpecCounts, StrOut, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,23 @@ class ReqState:
             "finish_reason": out.finish_reason,
             "forward_passes": out.forward_passes,
         }
+        if out.spec is not None:
+            meta.update(spec_meta(out.spec, out.completion_tokens))
         if self.logprobs is not None:
             meta.update(self.logprobs.meta())
         return {"text": out.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+def spec_meta(spec: SpecCounts, completion_tokens: int) -> dict[str, Any]:
+    """meta_info's speculative decoding fields, SGLang's names: spec_verify_ct (verification
+    steps), spec_accept_length (output tokens per step), spec_accept_rate (accepted / drafted),
+    and the counts."""
+    return {
+        "spec_verify_ct": spec.verify_ct,
+        "spec_accept_length": round(completion_tokens / spec.verify_ct, 4)
+        if spec.verify_ct else 0.0,
+        "spec_accept_rate": round(spec.accepted_tokens / spec.draft_tokens, 4)
+        if spec.draft_tokens else 0.0,
+        "spec_draft_token_num": spec.draft_tokens,
+        "spec_accept_token_num": spec.accepted_tokens,
+    }

@@ -46,12 +46,25 @@ class StepPlan:
     # A fill step: its first n_fill requests are filled (the rest are running requests that
     # decode inside it: a mixed step). None: every request (or not a fill).
     n_fill: int | None = None
+    verify: VerifyRows | None = None  # a verification step (speculative decoding)
 
     @property
     def req_rows(self) -> np.ndarray:
         """The req_to_token row of each request (its last sampled id goes there)."""
         return np.array([r.req_pool_idx for r in self.reqs], dtype=np.int64) \
             if self.sample_rows is not None else self.rows
+
+
+@dataclass
+class VerifyRows:
+    """The rows of a verification step: request i feeds its last sampled id and then drafts[i],
+    one DECODE row each from row starts[i] on; every row's logits are sampled."""
+
+    drafts: list[list[int]]
+    starts: list[int]
+    row_reqs: list[Req]  # the request of each row
+    offsets: np.ndarray  # [rows] the row's place within its request's rows (0 = last id)
+    draft_next: np.ndarray  # [rows] int64: the draft token after the row, -1 after the last
 
 
 @dataclass
@@ -188,3 +201,27 @@ class Batch:
         return StepPlan(ForwardMode.DECODE, list(self.reqs), pos, np.concatenate(rows), pos + 1,
                         pos.tolist(), [1] * len(pos), slots, input_ids=input_ids,
                         sample_rows=last)
+
+    def prepare_verify(self, slots: torch.Tensor, drafts: list[list[int]]) -> StepPlan:
+        """A verification step (speculative decoding): request i computes its last sampled id
+        and then drafts[i] at positions kv_lens[i] on, one DECODE row per id (each row attends
+        to those before it, whose KV the step writes first), into its share of `slots`; every
+        row is sampled. kv_lens[i] grows by 1 + len(drafts[i]): the loop sets it back to what
+        was accepted and frees the rest. The ids must be on the host (no step in flight)."""
+        input_ids: list[int] = []
+        counts = np.array([1 + len(d) for d in drafts], dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
+        positions = np.repeat(self.kv_lens, counts) + offsets
+        draft_next = np.full(len(positions), -1, dtype=np.int64)
+        row_reqs: list[Req] = []
+        for i, (r, d) in enumerate(zip(self.reqs, drafts)):
+            input_ids.append(r.fill_ids[-1])
+            input_ids.extend(d)
+            draft_next[starts[i] : starts[i] + len(d)] = d
+            row_reqs.extend([r] * (1 + len(d)))
+        self.kv_lens += counts
+        verify = VerifyRows(drafts, starts.tolist(), row_reqs, offsets, draft_next)
+        return StepPlan(ForwardMode.DECODE, list(self.reqs), positions,
+                        np.repeat(self.rows, counts), positions + 1, positions.tolist(),
+                        [1] * len(positions), slots, input_ids=input_ids, verify=verify)

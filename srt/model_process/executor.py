@@ -32,7 +32,7 @@ from srt.constrained.grammar import MaskBuilder
 from srt.constrained.mask import merge_forbidden
 from srt.layers import parallel_state
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
-from srt.layers.sampler import sample
+from srt.layers.sampler import sample, verify_sample
 from srt.managers.io_struct import TokenLogprobs
 from srt.model_process.batch import StepPlan
 from srt.model_process.logprob_step import StepLogprobs
@@ -73,8 +73,9 @@ class InFlight:
         else:
             if self.done is not None:
                 self.done.synchronize()
-            none: list[TokenLogprobs | None] = [None] * len(self.plan.reqs)
-            ids, prompt, out = self.ids_host.tolist(), none, list(none)
+            ids = self.ids_host.tolist()  # one per request, or per row of a verification
+            none: list[TokenLogprobs | None] = [None] * len(ids)
+            prompt, out = none, list(none)
         if (self.start is not None and self.prev_end is not None
                 and self.plan.mode == ForwardMode.DECODE):
             idle_ms = max(0.0, self.prev_end.elapsed_time(self.start))
@@ -149,12 +150,14 @@ class StepExecutor:
         )
         if plan.n_fill is not None and self.runner.attn_backend.supports_decode_tail:
             fb.decode_tail = _decode_tail(plan)
+        # A verification step samples every row: the requests of its rows, in row order.
+        rows_reqs = plan.verify.row_reqs if plan.verify is not None else reqs
         if (plan.mode == ForwardMode.DECODE and plan.sample_rows is None
-                and self.runner.wants_shared_prefix(len(reqs))):
+                and plan.verify is None and self.runner.wants_shared_prefix(len(reqs))):
             fb.shared_prefix_len = shared_prefix_len([r.last_node for r in reqs])
         lps = None
         if any(r.logprob is not None for r in reqs):
-            lps = StepLogprobs(reqs, plan.mode, plan.prefix_lens, plan.extend_lens, dev)
+            lps = StepLogprobs(rows_reqs, plan.mode, plan.prefix_lens, plan.extend_lens, dev)
             fb.prompt_logprobs = lps.prompt_request
         self.timer.mark("prepare")
         logits = self.runner.forward(fb)
@@ -170,18 +173,25 @@ class StepExecutor:
         # The sampling tensors and masks after the launch: on a GPU the host builds them while
         # the device runs the forward (every copy in them is non-blocking).
         info, self.sampling_rows = build_sampling_info(
-            reqs, self.vocab_size, dev, self.stop_ids, self.sampling_rows)
+            rows_reqs, self.vocab_size, dev, self.stop_ids, self.sampling_rows)
         if any(r.matcher is not None for r in reqs):
             if self.masks is None:
                 self.masks = self.grammar_masks(logits.shape[-1], dev)
             info.forbidden = merge_forbidden(info.forbidden, self.masks.batch(
-                [None if r.finished else r.matcher for r in reqs]))
+                [None if r.finished else r.matcher for r in rows_reqs]))
         self.timer.mark("sample_prep")
-        ids = sample(logits, info, self.runner.sampler_generator)
+        if plan.verify is not None:
+            # each row's output position (seeded rows draw their noise from it)
+            info.positions = [p + int(o) for p, o in zip(info.positions, plan.verify.offsets)]
+            draft_next = torch.from_numpy(plan.verify.draft_next).to(dev, non_blocking=True)
+            ids = verify_sample(logits, info, draft_next, self.runner.sampler_generator)
+        else:
+            ids = sample(logits, info, self.runner.sampler_generator)
         # Rank 0 samples for all: ranks hold bitwise-equal logits and generators, but one
         # small broadcast makes it impossible for their schedules to drift apart.
         ids = parallel_state.broadcast_from_first(ids)
-        self.last_ids.index_copy_(0, req_rows, ids)
+        if plan.verify is None:  # (a verification's last ids are known after acceptance)
+            self.last_ids.index_copy_(0, req_rows, ids)
         done = None
         if lps is not None:
             # Logprobs of the raw logits (the model's distribution), moved with the ids.
@@ -203,6 +213,14 @@ class StepExecutor:
         self._last_end = end
         self.timer.mark("sample")
         return inflight
+
+    def set_last_ids(self, rows: list[int], ids: list[int]) -> None:
+        """Each row's last sampled id on the device, where the host decided it (after a
+        verification step), for a DECODE step launched without input ids."""
+        if rows:
+            both = torch.tensor([rows, ids], dtype=torch.int64).to(self.device,
+                                                                   non_blocking=True)
+            self.last_ids.index_copy_(0, both[0], both[1])
 
     def break_chain(self) -> None:
         """The next step follows host work that is not a decode step (a fill, a pause): its

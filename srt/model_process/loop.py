@@ -48,6 +48,7 @@ from srt.model_process.model_runner import ModelRunner
 from srt.model_process.output import OutputProcessor
 from srt.model_process.policy import TokenRatio, select_fill
 from srt.model_process.retraction import make_room
+from srt.model_process.speculative import Speculator, accepted_length
 from srt.model_process.radix_cache import RadixCache
 from srt.model_process.req import FinishReason, Req, ReqStatus
 from srt.model_process.stats import Counters, maybe_log, stats
@@ -90,6 +91,8 @@ class ModelProcess:
                                              self.output, self.config.vocab_size)
         self.executor = StepExecutor(self.runner, self.config.vocab_size, self.output.stop_ids,
                                      self.counters.timer, self.constraints.mask_builder)
+        # Speculative decoding (--speculative-algorithm): drafts verified in decode steps.
+        self.spec = Speculator(args) if args.speculative_algorithm else None
         self.heap = HeapTrimmer()  # the process loop trims when idle and every 30 s of work
         # On a GPU the first fills compile kernels; on the CPU there is nothing to warm up.
         if not args.skip_warmup and self.runner.device.type == "cuda":
@@ -242,6 +245,10 @@ class ModelProcess:
         launch and read it (plain). True if a request jumped out of the batch."""
         timer = self.counters.timer
         timer.begin()
+        if self.spec is not None:
+            verified = self._verify_step(outs)
+            if verified is not None:
+                return verified
         prev = self.inflight
         if prev is not None:
             launch = np.fromiter((len(r.output_ids) + r.in_flight < r.sampling_params
@@ -269,6 +276,8 @@ class ModelProcess:
             def before_sample() -> None:
                 read.append(self._read(prev, outs, then=plan, deferred=True))
         self.inflight = self.executor.launch(plan, before_sample)
+        if self.spec is not None:
+            self.spec.note_plain_step(plan.reqs)
         self.ratio.step()
         jumped = False
         if prev is not None:
@@ -278,6 +287,66 @@ class ModelProcess:
             jumped = self._resolve(outs)
         timer.end(len(plan.reqs))
         return jumped
+
+    def _verify_step(self, outs: list[TokenOut]) -> bool | None:
+        """Speculative decoding: read the step in flight, draft, and run a verification step
+        of the running batch. None if no request drafts (the caller takes a plain decode step);
+        else True if a request jumped out of the batch (or it emptied), as `_decode_step`."""
+        assert self.spec is not None
+        if len(self.batch) >= self.spec.disable_bs:
+            return None
+        if self.inflight is not None:
+            # drafts continue the tokens of the step in flight: read it first
+            if self._resolve(outs) or not self.batch:
+                self.counters.timer.discard()
+                return True
+        if any(r.kv_valid is not None for r in self.running):
+            return None  # a jump's ids go first (a plain step computes them)
+        make_room(self)
+        drafts = self.spec.drafts(self.running, self.kv.room() - len(self.batch))
+        if drafts is None:
+            return None
+        slots = self.kv.alloc_slots(len(self.batch) + sum(map(len, drafts)))
+        plan = self.batch.prepare_verify(slots, drafts)
+        step = self.executor.launch(plan)
+        self.ratio.step()
+        self.spec.totals.verify_steps += 1
+        self._apply_verify(step, outs)
+        self.counters.timer.end(len(plan.reqs))
+        return any(r.status == ReqStatus.WAITING for r in plan.reqs) or not self.batch
+
+    def _apply_verify(self, step: InFlight, outs: list[TokenOut]) -> None:
+        """Each request keeps its accepted drafts and the token after them (fewer where it
+        finishes first); the KV of the rest of its rows is freed."""
+        assert self.spec is not None
+        res = step.wait()
+        self.counters.timer.mark("wait")
+        plan = step.plan
+        v = plan.verify
+        assert v is not None
+        live: list[Req] = []
+        for r, start, draft in zip(plan.reqs, v.starts, v.drafts):
+            r.in_flight -= 1
+            written = r.kv_len + 1 + len(draft)  # positions this step wrote KV for, exclusive
+            n = accepted_length(res.ids, start, draft)
+            emitted = 0
+            for j in range(n + 1):
+                self.output.append(r, res.ids[start + j], res.output_logprobs[start + j],
+                                   dead_end=False)
+                emitted += 1
+                if r.finished:
+                    break
+            self.spec.note(r, len(draft), min(n, emitted), emitted)
+            self.kv.free_tail(r, r.kv_len, written)  # rows past the kept tokens
+            live.append(r)
+        self.output.finish_dead_ends(live)
+        self.batch.kv_lens[:] = [r.kv_len for r in self.batch.reqs]
+        running = [r for r in live if not r.finished]
+        self.executor.set_last_ids([r.req_pool_idx for r in running],
+                                   [r.output_ids[-1] for r in running])
+        for r in live:
+            self._settle(r, outs)
+        self.batch.filter(lambda r: r.status == ReqStatus.RUNNING)
 
     def retract(self, req: Req) -> None:
         """Back to the waiting queue; its KV goes into the tree (evictable), its progress is

@@ -99,6 +99,7 @@ class OutputProcessor:
             completion_tokens=len(r.output_ids),
             finish_reason=r.finish.to_dict() if r.finish is not None else None,
             forward_passes=r.forward_passes,
+            spec=r.spec,
             skip_special_tokens=p.skip_special_tokens,
             spaces_between_special_tokens=p.spaces_between_special_tokens,
             stop=list(p.stop),

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from srt.managers.io_struct import LogprobOptions, TokenLogprobs
+from srt.managers.io_struct import LogprobOptions, SpecCounts, TokenLogprobs
 from srt.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -118,6 +118,10 @@ class Req:
     # Launched steps whose tokens are not on the host yet (the overlapped loop): each one
     # writes the KV of one more position, and output_ids lack its token.
     in_flight: int = 0  # launched steps not resolved yet (2 for a moment while chaining)
+    # Speculative decoding: the drafter's index of this request's tokens (NGRAM), and its
+    # counts (verification steps, draft tokens proposed, accepted), None while speculation is off.
+    draft_index: Any = None
+    spec: SpecCounts | None = None
 
     @property
     def grammar_pending(self) -> bool:

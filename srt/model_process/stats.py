@@ -94,6 +94,7 @@ def stats(p: ModelProcess) -> dict[str, Any]:
             "kv_heads": p.runner.model_kv_heads(),
             "gb": round(info.kv_gb, 4),
         },
+        "speculative": p.spec.snapshot() if p.spec is not None else None,
         "decode_step_times": c.timer.snapshot(),
         "heap": p.heap.stats(),
         "gc": watch.stats() if (watch := process_watch()) is not None else {},

@@ -1,0 +1,116 @@
+"""Speculative decoding in the model process: which requests draft, and what a verification
+step accepts.
+
+A verification step replaces a decode step of the running batch: each request feeds its last
+sampled id and its draft tokens (`Batch.prepare_verify`), the model computes every row in one
+forward (DECODE rows, each attending to the rows before it), and each row is sampled given the
+draft token after it (`srt.layers.sampler.verify_sample`). A request keeps its drafts up to the
+first row that did not emit the next draft token, plus that row's token: one to len(draft) + 1
+new tokens per step, each exactly what decoding one token at a time would emit (greedy), or
+distributed as it (sampling). The KV of the rows past the kept ones is freed at once (page size
+1 makes that exact: one slot per position).
+
+Who drafts (`Speculator.drafts`): requests without a grammar, penalties or a pending
+min_new_tokens (their next token depends on host state a draft cannot see), with room for at
+least one more token; the step's drafts fit the KV pool's room. While the running batch has
+`--speculative-disable-by-batch-size` requests or more, nobody drafts: a large batch is bound
+by compute, not by reading the weights, and verifying drafts would cost throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from srt.managers.io_struct import SpecCounts
+from srt.model_process.ngram import NgramProposer
+from srt.model_process.req import Req
+from srt.server_args import ServerArgs
+
+
+@dataclass
+class SpecTotals:
+    """The server's speculative decoding so far (`/get_server_info` `speculative`)."""
+
+    verify_steps: int = 0  # verification steps run
+    request_steps: int = 0  # (request, verification step) pairs
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # tokens appended by verification steps
+    plain_steps: int = 0  # decode steps run without drafts while speculation was on
+
+    def snapshot(self, algorithm: str, draft_tokens: int, disable_bs: int) -> dict:
+        return {
+            "algorithm": algorithm,
+            "num_draft_tokens": draft_tokens + 1,
+            "disable_by_batch_size": disable_bs,
+            "verify_steps": self.verify_steps,
+            "plain_decode_steps": self.plain_steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "accept_rate": round(self.accepted_tokens / self.draft_tokens, 4)
+            if self.draft_tokens else 0.0,
+            # output tokens per request and verification step, the bonus token included
+            "accept_length": round(self.emitted_tokens / self.request_steps, 4)
+            if self.request_steps else 0.0,
+        }
+
+
+def accepted_length(targets: list[int], start: int, draft: list[int]) -> int:
+    """Leading draft tokens the verification kept: row start + j emitted draft[j]."""
+    n = 0
+    while n < len(draft) and targets[start + n] == draft[n]:
+        n += 1
+    return n
+
+
+class Speculator:
+    def __init__(self, args: ServerArgs) -> None:
+        self.algorithm = args.speculative_algorithm or ""
+        self.k = args.speculative_draft_tokens
+        self.disable_bs = args.speculative_disable_by_batch_size
+        self.proposer = NgramProposer(args.speculative_ngram_min_match_window_size,
+                                      args.speculative_ngram_max_match_window_size)
+        self.totals = SpecTotals()
+
+    def counts(self, req: Req) -> SpecCounts:
+        if req.spec is None:
+            req.spec = SpecCounts()
+        return req.spec
+
+    def drafts(self, reqs: list[Req], room: int) -> list[list[int]] | None:
+        """Draft tokens for each running request (their ids on the host), at most `room` in
+        all; None if no request drafts (the step is a plain decode step)."""
+        if len(reqs) >= self.disable_bs:
+            return None
+        out: list[list[int]] = []
+        for r in reqs:
+            p = r.sampling_params
+            k = min(self.k, r.remaining_new_tokens - 1, room)
+            if (k <= 0 or r.matcher is not None or p.uses_penalties
+                    or len(r.output_ids) < p.min_new_tokens):
+                out.append([])
+                continue
+            d = self.proposer.propose(r, k)
+            room -= len(d)
+            out.append(d)
+        return out if any(out) else None
+
+    def note_plain_step(self, reqs: list[Req]) -> None:
+        """A decode step without drafts: each request took a step of one token."""
+        self.totals.plain_steps += 1
+        for r in reqs:
+            self.counts(r).verify_ct += 1
+
+    def note(self, req: Req, drafted: int, accepted: int, emitted: int) -> None:
+        c = self.counts(req)
+        c.verify_ct += 1
+        c.draft_tokens += drafted
+        c.accepted_tokens += accepted
+        t = self.totals
+        t.request_steps += 1
+        t.draft_tokens += drafted
+        t.accepted_tokens += accepted
+        t.emitted_tokens += emitted
+
+    def snapshot(self) -> dict:
+        return self.totals.snapshot(self.algorithm, self.k, self.disable_bs)
