@@ -65,8 +65,9 @@ def _exponential_noise(info: SamplingBatchInfo, shape: torch.Size, device: torch
 
 
 def _filtered_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """The distribution each sampled row draws from: softmax at its temperature, then top-k /
-    top-p / min-p (greedy rows get temperature 1; their probabilities are not used)."""
+    """The distribution each sampled row draws from, unnormalized: softmax at its
+    temperature, then top-k / top-p / min-p zero the dropped tokens (greedy rows get
+    temperature 1; their probabilities are not used)."""
     is_greedy = info.temperatures == 0
     temps = torch.where(is_greedy, torch.ones_like(info.temperatures), info.temperatures)
     probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
@@ -133,6 +134,7 @@ def verify_sample(logits: torch.Tensor, info: SamplingBatchInfo, draft_next: tor
     if info.all_greedy:
         return greedy
     probs = _filtered_probs(logits, info)
+    probs = probs / probs.sum(dim=-1, keepdim=True)  # (filters leave it unnormalized)
     has = draft_next >= 0
     d = draft_next.clamp(min=0).unsqueeze(1)
     p_d = probs.gather(1, d).squeeze(1) * has
