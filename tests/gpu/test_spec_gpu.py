@@ -1,0 +1,59 @@
+"""Speculative decoding (NGRAM) on a GPU (GPU only): float32, Triton attention, CUDA graphs for
+the verification steps (DECODE rows, several per request), the overlapped loop. The greedy ids,
+finish reasons, token counts and logprobs of decoding without drafts, for a mixed workload and
+for prompts that repeat a pattern (most drafts accepted), with verification steps inside and
+beyond the largest graph."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.overlap_cases import assert_same, late_stops, mixed_requests, serve
+from tests.random_models import save_random_llama
+from tests.unit.test_speculative import _greedy_only, _repeating_requests
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: Any) -> str:
+    return save_random_llama(str(tmp_path_factory.mktemp("spec_gpu")), num_hidden_layers=4,
+                             hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                             num_key_value_heads=4, vocab_size=6000)
+
+
+def _server(model_dir: str, **extra: Any) -> Any:
+    from srt.model_process.loop import ModelProcess
+    from srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=model_dir, tokenizer_path=model_dir, device="cuda",
+                      dtype="float32", attention_backend="triton", max_total_tokens=65536,
+                      cuda_graph_max_bs=32, random_seed=0, **extra)
+    return ModelProcess(args, 0)
+
+
+def _free(s: Any) -> bool:
+    return s.kv.is_free() and not s.running and not s.waiting and s.inflight is None
+
+
+@pytest.mark.parametrize("n", [10, 40])  # verification rows within / beyond 32 graph rows
+def test_ngram_equals_plain_decoding(model_dir: str, n: int) -> None:
+    plain = _server(model_dir)
+    spec = _server(model_dir, speculative_algorithm="NGRAM",
+                   speculative_disable_by_batch_size=4096)
+    vocab = plain.config.vocab_size
+
+    def requests(stops: Any) -> list:
+        return mixed_requests(vocab, n, 5, stops) + _repeating_requests(vocab, stops)
+
+    stops = {k: v for k, v in late_stops(serve(plain, requests(None))).items()
+             if not k.startswith("rp")}
+    want = serve(plain, requests(stops))
+    reqs = requests(stops)
+    got = serve(spec, reqs)
+    assert_same(_greedy_only(got, reqs), _greedy_only(want, reqs))
+    s = spec.stats()["speculative"]
+    assert s["verify_steps"] > 0 and s["accepted_tokens"] > 0, s
+    assert _free(plain) and _free(spec)
