@@ -129,8 +129,10 @@ def run_mode(a: Any, mode: str, model_path: str, ids: dict[str, list[list[int]]]
             results[f"b1_{kind}"] = measure(engine, ids[kind], False, sp, a.runs)
             results[f"b{n}_{kind}"] = measure(engine, ids[kind], True, sp, a.runs)
         info = engine.model_info
+        server = engine.get_server_info()  # the host's time per step phase, speculation counts
     return {"startup_s": round(startup, 1), "server_args": kw, "model_info": info,
-            "results": results}
+            "speculative": server.get("speculative"),
+            "decode_step_times": server.get("decode_step_times"), "results": results}
 
 
 def common_prefix(x: list[int], y: list[int]) -> int:

@@ -293,7 +293,7 @@ class ModelProcess:
         of the running batch. None if no request drafts (the caller takes a plain decode step);
         else True if a request jumped out of the batch (or it emptied), as `_decode_step`."""
         assert self.spec is not None
-        if len(self.batch) >= self.spec.disable_bs:
+        if not self.spec.wants_drafts(self.running):
             return None
         if self.inflight is not None:
             # drafts continue the tokens of the step in flight: read it first

@@ -2,7 +2,8 @@
 
 The longest suffix of the request's tokens (at most `max_n`, at least `min_n` tokens) that also
 occurs earlier in them is looked up, and the tokens that followed its latest earlier occurrence
-are the draft. Editing, summarizing and code rewriting copy long runs of the prompt, so the guess
+are the draft (continued as an overlapping copy where that occurrence is so recent that fewer
+than k tokens follow it: a repeated token or a short cycle drafts itself k tokens on). Editing, summarizing and code rewriting copy long runs of the prompt, so the guess
 is often right; where it is wrong the model's verification rejects it and nothing changes.
 
 Each request keeps an index of its tokens, updated as tokens are appended: for every n in
@@ -49,7 +50,7 @@ class NgramIndex:
                     m[tuple(toks[end - n : end])] = end
 
     def propose(self, k: int) -> list[int]:
-        """Up to k draft tokens to follow the indexed sequence (empty if no suffix recurs)."""
+        """k draft tokens to follow the indexed sequence (none if no suffix recurs)."""
         toks = self.tokens
         for j in range(len(self.maps) - 1, -1, -1):
             n = self.min_n + j
@@ -57,7 +58,12 @@ class NgramIndex:
                 continue
             pos = self.maps[j].get(tuple(toks[-n:]))
             if pos is not None:
-                return toks[pos : pos + k]
+                draft = toks[pos : pos + k]
+                # An occurrence close to the end continues into the draft itself (an
+                # overlapping copy, as in LZ77): a run or a short period drafts k tokens.
+                for i in range(len(draft), k):
+                    draft.append(draft[i - (len(toks) - pos)])
+                return draft
         return []
 
 

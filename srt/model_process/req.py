@@ -122,6 +122,10 @@ class Req:
     # counts (verification steps, draft tokens proposed, accepted), None while speculation is off.
     draft_index: Any = None
     spec: SpecCounts | None = None
+    # Drafts rejected whole in a row, and decode steps left before this request drafts again
+    # (a request whose drafts keep failing decodes plainly, overlapped, and tries again later).
+    draft_misses: int = 0
+    draft_backoff: int = 0
 
     @property
     def grammar_pending(self) -> bool:

@@ -15,6 +15,12 @@ min_new_tokens (their next token depends on host state a draft cannot see), with
 least one more token; the step's drafts fit the KV pool's room. While the running batch has
 `--speculative-disable-by-batch-size` requests or more, nobody drafts: a large batch is bound
 by compute, not by reading the weights, and verifying drafts would cost throughput.
+
+Drafting needs the last token on the host, so a step that verifies drafts is never overlapped
+with the one before. A request whose drafts were rejected whole backs off: after 2, 3, 4 ..
+misses in a row it skips drafting for 1, 3, 7 .. MAX_BACKOFF decode steps (any accepted token
+resets it), so
+free-form text, where lookups rarely hit, decodes in the overlapped loop most of the time.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from srt.managers.io_struct import SpecCounts
 from srt.model_process.ngram import NgramProposer
 from srt.model_process.req import Req
 from srt.server_args import ServerArgs
+
+MAX_BACKOFF = 16  # decode steps a request skips drafting after repeated rejections
 
 
 @dataclass
@@ -77,6 +85,17 @@ class Speculator:
             req.spec = SpecCounts()
         return req.spec
 
+    @staticmethod
+    def _may_draft(r: Req) -> bool:
+        p = r.sampling_params
+        return (r.draft_backoff == 0 and r.matcher is None and not p.uses_penalties
+                and len(r.output_ids) + r.in_flight >= p.min_new_tokens)
+
+    def wants_drafts(self, reqs: list[Req]) -> bool:
+        """Some request of the batch would draft now (asked before the step in flight is read:
+        if none would, the batch goes on decoding overlapped)."""
+        return len(reqs) < self.disable_bs and any(map(self._may_draft, reqs))
+
     def drafts(self, reqs: list[Req], room: int) -> list[list[int]] | None:
         """Draft tokens for each running request (their ids on the host), at most `room` in
         all; None if no request drafts (the step is a plain decode step)."""
@@ -84,10 +103,8 @@ class Speculator:
             return None
         out: list[list[int]] = []
         for r in reqs:
-            p = r.sampling_params
             k = min(self.k, r.remaining_new_tokens - 1, room)
-            if (k <= 0 or r.matcher is not None or p.uses_penalties
-                    or len(r.output_ids) < p.min_new_tokens):
+            if k <= 0 or not self._may_draft(r):
                 out.append([])
                 continue
             d = self.proposer.propose(r, k)
@@ -100,8 +117,18 @@ class Speculator:
         self.totals.plain_steps += 1
         for r in reqs:
             self.counts(r).verify_ct += 1
+            r.draft_backoff = max(0, r.draft_backoff - 1)
 
     def note(self, req: Req, drafted: int, accepted: int, emitted: int) -> None:
+        """A verification step of `req`: `drafted` draft tokens, `accepted` of them kept,
+        `emitted` tokens appended in all."""
+        if drafted == 0:
+            req.draft_backoff = max(0, req.draft_backoff - 1)
+        elif accepted == 0:
+            req.draft_misses += 1
+            req.draft_backoff = min(MAX_BACKOFF, (1 << (req.draft_misses - 1)) - 1)
+        else:
+            req.draft_misses = 0
         c = self.counts(req)
         c.verify_ct += 1
         c.draft_tokens += drafted

@@ -11,14 +11,17 @@ from srt.model_process.ngram import NgramIndex
 
 def brute_force(seq: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """The longest suffix of min_n..max_n tokens that occurs earlier followed by a token; the
-    tokens after its latest such occurrence."""
+    k tokens after its latest such occurrence, the sequence continued by copying them."""
     for n in range(max_n, min_n - 1, -1):
         if n > len(seq):
             continue
         suffix = seq[-n:]
         for end in range(len(seq) - 1, n - 1, -1):  # occurrence seq[end - n:end], end < len
             if seq[end - n : end] == suffix:
-                return seq[end : end + k]
+                ext = list(seq)
+                for i in range(k):  # what follows the occurrence, copied on past the end
+                    ext.append(ext[end + i])
+                return ext[len(seq) :]
     return []
 
 
@@ -49,3 +52,7 @@ def test_copy_of_the_prompt_is_proposed() -> None:
     assert idx.propose(2) == [15, 16]
     idx.sync(prompt + [3, 99])  # no earlier occurrence of 99
     assert idx.propose(4) == []
+    idx.sync([4, 5, 6, 6])  # a run drafts itself on
+    assert idx.propose(3) == [6, 6, 6]
+    idx.sync([1, 2, 3, 1, 2])  # as does a cycle
+    assert idx.propose(5) == [3, 1, 2, 3, 1]
