@@ -23,6 +23,7 @@ from srt.managers.io_struct import (
     GetStatsReq,
     ImageInput,
     LogprobOptions,
+    SpecCounts,
     StatsOut,
     StepInput,
     StepOutput,
@@ -67,11 +68,14 @@ def samples() -> dict[str, list[Any]]:
                                   output_logprobs=TokenLogprobs([-2.5, -0.75, -0.125], [5, 6, 7],
                                                                 [[], [], []], [[], [], []]),
                                   return_text_in_logprobs=True)
+    spec = SpecCounts(verify_ct=7, draft_tokens=20, accepted_tokens=13)
     tout = [token_out("a1"), token_out("b2", {"type": "stop", "matched": 2}),
             token_out("c3", {"type": "length", "length": 3}),
-            token_out("d4", {"type": "stop", "matched": "END"}), with_lp]
+            token_out("d4", {"type": "stop", "matched": "END"}), with_lp,
+            dataclasses.replace(token_out("s6"), spec=spec)]
     return {
         "LogprobOptions": [options, LogprobOptions()],
+        "SpecCounts": [spec, SpecCounts()],
         "TokenLogprobs": [PROMPT_LP, TEXT_LP, TokenLogprobs()],
         "TokenizedGenerateReq": [gen, TokenizedGenerateReq("x", [], {}), with_image],
         "ImageInput": [image],
