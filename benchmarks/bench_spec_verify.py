@@ -122,7 +122,7 @@ def main() -> None:
         plain_steps = a.output_len - 1
         plain_ms = plain_s / plain_steps * 1e3
         for n in a.num_draft_tokens:
-            spec = Speculator(dataclasses.replace(args, speculative_num_draft_tokens=n))
+            spec = Speculator(dataclasses.replace(args, speculative_num_draft_tokens=n), proc.config.vocab_size)
             spec.proposer = OracleDrafter({rid.replace(f"b{bs}-", f"o{bs}-{n}-"): ids
                                            for rid, ids in recorded.items()})
             proc.spec = spec

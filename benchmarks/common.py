@@ -87,6 +87,35 @@ def write_shape_dir(name: str, path: str, **config: Any) -> str:
     return path
 
 
+def save_layer_prefix(src: str, dst: str, layers: int) -> str:
+    """A draft model for STANDALONE speculative decoding cut from a Llama-family checkpoint:
+    its first `layers` decoder layers with its embeddings, final norm and LM head (a layer-skip
+    self-draft), and its tokenizer files; returns `dst`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = layers
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    kept: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".safetensors"):
+            for key, t in load_file(os.path.join(src, name)).items():
+                parts = key.split(".")
+                if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+                    continue
+                kept[key] = t.contiguous()
+        elif name != "config.json" and not name.endswith(".safetensors.index.json") \
+                and os.path.isfile(os.path.join(src, name)):  # tokenizer, generation config
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    save_file(kept, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
 def add_engine_args(p: Any) -> None:
     """The arguments every Engine benchmark takes (an argparse parser)."""
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))

@@ -204,8 +204,10 @@ def prepare_args(args: ServerArgs) -> ServerArgs:
     args = args.resolve()
     from srt.model_config import check_quantization, check_tp_size
 
-    check_tp_size(args.model_path, args.tp_size)
-    check_quantization(args.model_path, args.quantization)
+    for path in (args.model_path, args.speculative_draft_model_path):
+        if path is not None:  # the draft model (STANDALONE) is sharded and loaded alike
+            check_tp_size(path, args.tp_size)
+            check_quantization(path, args.quantization)
     return args
 
 

@@ -149,19 +149,22 @@ class ServerArgs:
     # Speculative decoding (SGLang's flag names; srt/model_process/speculative/)
     speculative_algorithm: str | None = _f(
         None, "Speculative decoding: NGRAM drafts each request's next tokens from its own "
-        "prompt and output (prompt lookup, no extra model) and the model verifies them in one "
+        "prompt and output (prompt lookup, no extra model), STANDALONE with a smaller model of "
+        "the same tokenizer (--speculative-draft-model-path); the model verifies them in one "
         "step; greedy output is unchanged and sampling keeps the model's distribution "
-        "(rejection sampling). STANDALONE / EAGLE / EAGLE3 are not implemented yet (refused).",
+        "(rejection sampling). EAGLE / EAGLE3 are not implemented yet (refused).",
         ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3"))
     speculative_draft_model_path: str | None = _f(
-        None, "Draft model directory (STANDALONE, EAGLE, EAGLE3; not implemented yet).")
+        None, "Draft model directory (STANDALONE): a causal LM of the target's tokenizer, "
+        "with its own KV pool over the target's slots.")
     speculative_num_steps: int | None = _f(
-        None, "Draft steps per verification (draft-model algorithms; not implemented yet).")
+        None, "Draft steps per verification (STANDALONE: one draft token each; default 3).")
     speculative_eagle_topk: int | None = _f(
-        None, "Branching of an EAGLE draft tree (not implemented yet).")
+        None, "Branching of a draft tree; only 1 (a chain) is supported.")
     speculative_num_draft_tokens: int | None = _f(
         None, "Tokens verified per step and request, the last accepted one included (so at "
-        "most this minus one draft tokens). Default for NGRAM: 5.")
+        "most this minus one draft tokens). Default: 5 for NGRAM, --speculative-num-steps + 1 "
+        "for STANDALONE.")
     speculative_accept_threshold_single: float = _f(
         1.0, "SGLang's relaxed acceptance of a draft token; only 1.0 (exact: the output "
         "distribution is the model's) is supported.")
@@ -353,7 +356,10 @@ class ServerArgs:
         """Draft tokens per request and verification (0: speculation off)."""
         if self.speculative_algorithm is None:
             return 0
-        return (self.speculative_num_draft_tokens or 5) - 1
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        default = 5 if self.speculative_algorithm == "NGRAM" else 4
+        return (self.speculative_num_draft_tokens or default) - 1
 
     def _validate_speculative(self) -> None:
         algo = self.speculative_algorithm
@@ -365,14 +371,18 @@ class ServerArgs:
                 raise ValueError(f"--{given[0].replace('_', '-')} needs "
                                  "--speculative-algorithm")
             return
-        if algo != "NGRAM":
+        if algo not in ("NGRAM", "STANDALONE"):
             raise ValueError(f"--speculative-algorithm {algo} is not implemented in srt yet "
-                             "(NGRAM is: it drafts from each request's own tokens)")
-        for name in ("speculative_draft_model_path", "speculative_num_steps",
-                     "speculative_eagle_topk"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"--{name.replace('_', '-')} does not apply to "
-                                 "--speculative-algorithm NGRAM (it has no draft model)")
+                             "(NGRAM drafts from each request's own tokens, STANDALONE from a "
+                             "smaller model of the same tokenizer)")
+        if algo == "NGRAM":
+            for name in ("speculative_draft_model_path", "speculative_num_steps",
+                         "speculative_eagle_topk"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name.replace('_', '-')} does not apply to "
+                                     "--speculative-algorithm NGRAM (it has no draft model)")
+        else:
+            self._validate_draft_model()
         n = self.speculative_num_draft_tokens
         if n is not None and not 2 <= n <= 64:
             raise ValueError("--speculative-num-draft-tokens must be in 2..64 (the last "
@@ -387,6 +397,27 @@ class ServerArgs:
                              "--speculative-ngram-max-match-window-size")
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError("--speculative-disable-by-batch-size must be >= 1")
+
+    def _validate_draft_model(self) -> None:
+        """STANDALONE: a draft model directory, and a chain of drafts (top-k 1)."""
+        path = self.speculative_draft_model_path
+        if path is None:
+            raise ValueError("--speculative-algorithm STANDALONE needs "
+                             "--speculative-draft-model-path (a smaller model of the same "
+                             "tokenizer)")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"--speculative-draft-model-path {path!r} is not a model directory "
+                             "(no config.json)")
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ValueError("--speculative-eagle-topk must be 1 with STANDALONE: srt drafts one "
+                             "chain of tokens (tree drafts are not implemented)")
+        steps, n = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if steps is not None and not 1 <= steps <= 63:
+            raise ValueError("--speculative-num-steps must be in 1..63")
+        if steps is not None and n is not None and n != steps + 1:
+            raise ValueError(f"--speculative-num-draft-tokens ({n}) must be "
+                             f"--speculative-num-steps + 1 ({steps + 1}) with top-k 1: each "
+                             "draft step proposes one token, verified with the last accepted one")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -161,6 +161,8 @@ class StepExecutor:
             fb.prompt_logprobs = lps.prompt_request
         self.timer.mark("prepare")
         logits = self.runner.forward(fb)
+        if self.runner.draft is not None:  # STANDALONE: the draft's KV of the same positions
+            self.runner.draft.mirror(fb)
         req_rows = t.req_pool_indices
         if plan.sample_rows is not None:
             both = torch.from_numpy(np.stack((np.asarray(plan.sample_rows, dtype=np.int64),

@@ -92,7 +92,8 @@ class ModelProcess:
         self.executor = StepExecutor(self.runner, self.config.vocab_size, self.output.stop_ids,
                                      self.counters.timer, self.constraints.mask_builder)
         # Speculative decoding (--speculative-algorithm): drafts verified in decode steps.
-        self.spec = Speculator(args) if args.speculative_algorithm else None
+        self.spec = Speculator(args, self.config.vocab_size, self.runner.draft) \
+            if args.speculative_algorithm else None
         self.heap = HeapTrimmer()  # the process loop trims when idle and every 30 s of work
         # On a GPU the first fills compile kernels; on the CPU there is nothing to warm up.
         if not args.skip_warmup and self.runner.device.type == "cuda":
@@ -303,11 +304,11 @@ class ModelProcess:
         if any(r.kv_valid is not None for r in self.running):
             return None  # a jump's ids go first (a plain step computes them)
         make_room(self)
-        drafts = self.spec.drafts(self.running, self.kv.room() - len(self.batch))
-        if drafts is None:
+        proposed = self.spec.drafts(self.batch, self.kv.room() - len(self.batch),
+                                    self.kv.alloc_slots)
+        if proposed is None:
             return None
-        slots = self.kv.alloc_slots(len(self.batch) + sum(map(len, drafts)))
-        plan = self.batch.prepare_verify(slots, drafts)
+        plan = self.batch.prepare_verify(proposed[1], proposed[0])
         step = self.executor.launch(plan)
         self.ratio.step()
         self.spec.totals.verify_steps += 1

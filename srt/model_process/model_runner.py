@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from srt.model_config import ModelConfig
 from srt.models.loader import init_dummy_weights, iterate_safetensors
 from srt.models.registry import get_model_class
 from srt.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from srt.model_process.draft_runner import DraftRunner
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +94,21 @@ class ModelRunner:
         if args.enable_custom_all_reduce:
             parallel_state.init_one_shot_all_reduce(ONE_SHOT_MAX_BYTES, self.dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # STANDALONE speculative decoding: the draft model, loaded before the pool is sized
+        self.draft: DraftRunner | None = None
+        if args.speculative_algorithm == "STANDALONE":
+            from srt.model_process.draft_runner import DraftRunner
+
+            self.draft = DraftRunner(self)
         if self.device.type == "cuda":
             # the model-dtype weights that quantization replaced are free now: give the cached
             # blocks back so that the pool sizing below counts them as free
             torch.cuda.empty_cache()
         self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self._check_fp8_support()
-        kv_values_per_token = 2 * config.num_layers * self.model_kv_heads() * config.head_dim
+        # every slot holds its token's KV in the draft's pool too (same slot indices)
+        kv_values_per_token = self.kv_values_per_token() + (
+            self.draft.kv_values_per_token() if self.draft is not None else 0)
         self.max_total_num_tokens = self._pool_tokens(
             kv_values_per_token * self.kv_cache_dtype.itemsize,
             kv_values_per_token * self.dtype.itemsize)
@@ -104,6 +116,18 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests, config.context_len + 8, self.device
         )
+        self.init_pool_and_backend()
+        if self.draft is not None:
+            self.draft.init_pool_and_backend()
+
+    def kv_values_per_token(self) -> int:
+        """K and V values a token holds in this model's pool on this rank."""
+        return 2 * self.config.num_layers * self.model_kv_heads() * self.config.head_dim
+
+    def init_pool_and_backend(self) -> None:
+        """The token pool (max_total_num_tokens slots), the attention backends and the CUDA
+        graphs; max_total_num_tokens, max_running_requests and req_to_token_pool are set."""
+        args, config = self.args, self.config
         self.token_to_kv_pool = TokenToKVPool(
             self.max_total_num_tokens,
             config.num_layers,

@@ -26,11 +26,18 @@ free-form text, where lookups rarely hit, decodes in the overlapped loop most of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
 
 from srt.managers.io_struct import SpecCounts
+from srt.model_process.batch import Batch
 from srt.model_process.ngram import NgramProposer
 from srt.model_process.req import Req
 from srt.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from srt.model_process.draft_runner import DraftRunner
 
 MAX_BACKOFF = 16  # decode steps a request skips drafting after repeated rejections
 
@@ -72,12 +79,20 @@ def accepted_length(targets: list[int], start: int, draft: list[int]) -> int:
 
 
 class Speculator:
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: ServerArgs, vocab_size: int,
+                 draft_model: DraftRunner | None = None) -> None:
+        """`draft_model`: STANDALONE's draft (None: NGRAM drafts from the request's tokens);
+        `vocab_size`: the target's (no draft token at or above it)."""
+        self.vocab_size = vocab_size
         self.algorithm = args.speculative_algorithm or ""
         self.k = args.speculative_draft_tokens
         self.disable_bs = args.speculative_disable_by_batch_size
         self.proposer = NgramProposer(args.speculative_ngram_min_match_window_size,
                                       args.speculative_ngram_max_match_window_size)
+        self.draft_model = draft_model
+        # A lookup that missed says little about the next one of a draft model, whose cost
+        # is paid in every step anyway (mirrored): only NGRAM backs off.
+        self.backoff = draft_model is None
         self.totals = SpecTotals()
 
     def counts(self, req: Req) -> SpecCounts:
@@ -96,21 +111,38 @@ class Speculator:
         if none would, the batch goes on decoding overlapped)."""
         return len(reqs) < self.disable_bs and any(map(self._may_draft, reqs))
 
-    def drafts(self, reqs: list[Req], room: int) -> list[list[int]] | None:
-        """Draft tokens for each running request (their ids on the host), at most `room` in
-        all; None if no request drafts (the step is a plain decode step)."""
-        if len(reqs) >= self.disable_bs:
+    def _count(self, r: Req, room: int) -> int:
+        """Tokens `r` may draft now with `room` slots left for drafts."""
+        return max(0, min(self.k, r.remaining_new_tokens - 1, room)) if self._may_draft(r) \
+            else 0
+
+    def drafts(self, batch: Batch, room: int,
+               alloc: Callable[[int], torch.Tensor]) -> tuple[list[list[int]], torch.Tensor] | None:
+        """Draft tokens for each request of the running batch (their ids on the host), at most
+        `room` in all, and the verification step's slots from `alloc(n)`: one per request
+        and draft token. None if no request drafts (the step is a plain decode step)."""
+        if len(batch) >= self.disable_bs:
             return None
-        out: list[list[int]] = []
-        for r in reqs:
-            k = min(self.k, r.remaining_new_tokens - 1, room)
-            if k <= 0 or not self._may_draft(r):
-                out.append([])
-                continue
-            d = self.proposer.propose(r, k)
-            room -= len(d)
-            out.append(d)
-        return out if any(out) else None
+        if self.draft_model is None:
+            drafts: list[list[int]] = []
+            for r in batch.reqs:
+                k = self._count(r, room)
+                drafts.append(self.proposer.propose(r, k) if k else [])
+                room -= len(drafts[-1])
+            if not any(drafts):
+                return None
+            return drafts, alloc(len(batch) + sum(map(len, drafts)))
+        ks: list[int] = []
+        for r in batch.reqs:
+            ks.append(self._count(r, room))
+            room -= ks[-1]
+        if not any(ks):
+            return None
+        slots = alloc(len(batch) + sum(ks))  # the draft model writes into the step's slots
+        drafts = self.draft_model.propose(batch.rows, batch.kv_lens,
+                                          [r.fill_ids[-1] for r in batch.reqs], ks, slots,
+                                          self.vocab_size)
+        return drafts, slots
 
     def note_plain_step(self, reqs: list[Req]) -> None:
         """A decode step without drafts: each request took a step of one token."""
@@ -124,7 +156,7 @@ class Speculator:
         `emitted` tokens appended in all."""
         if drafted == 0:
             req.draft_backoff = max(0, req.draft_backoff - 1)
-        elif accepted == 0:
+        elif accepted == 0 and self.backoff:
             req.draft_misses += 1
             req.draft_backoff = min(MAX_BACKOFF, (1 << (req.draft_misses - 1)) - 1)
         else:

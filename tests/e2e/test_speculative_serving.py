@@ -1,5 +1,5 @@
-"""Speculative decoding through the real server: NGRAM at --tp-size 2 (gloo) gives
-transformers' greedy tokens and logprobs on a random Llama with prompts that repeat (most
+"""Speculative decoding through the real server: NGRAM and STANDALONE at --tp-size 2 (gloo)
+give transformers' greedy tokens and logprobs on a random Llama with prompts that repeat (most
 drafts accepted); meta_info, /get_server_info and /metrics report it; the OpenAI client works
 unchanged; algorithms srt does not implement are refused at start-up."""
 
@@ -47,19 +47,26 @@ def _transformers(path: str) -> tuple[list[list[int]], list[list[float]]]:
     return ids, lps
 
 
+def _greedy_meta(srv: ServerProcess, want_ids: list[list[int]],
+                 want_lps: list[list[float]]) -> list[dict[str, Any]]:
+    """Greedy outputs of PROMPTS with logprobs, checked against transformers'; their
+    meta_info."""
+    res = srv.generate({"input_ids": PROMPTS, "return_logprob": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}})
+    assert [r["output_ids"] for r in res] == want_ids
+    for r, lp in zip(res, want_lps):
+        assert [t[0] for t in r["meta_info"]["output_token_logprobs"]] == pytest.approx(
+            lp, abs=1e-4)
+    return [r["meta_info"] for r in res]
+
+
 def test_ngram_tp2_equals_transformers(llama_dir: str) -> None:
     want_ids, want_lps = _transformers(llama_dir)
     srv = ServerProcess(["--model-path", llama_dir, "--tp-size", "2", "--device", "cpu",
                          "--dtype", "float32", "--random-seed", "0", "--max-total-tokens",
                          "2048", "--speculative-algorithm", "NGRAM"]).start()
     try:
-        res = srv.generate({"input_ids": PROMPTS, "return_logprob": True, "sampling_params": {
-            "temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}})
-        assert [r["output_ids"] for r in res] == want_ids
-        for r, lp in zip(res, want_lps):
-            assert [t[0] for t in r["meta_info"]["output_token_logprobs"]] == pytest.approx(
-                lp, abs=1e-4)
-        meta = [r["meta_info"] for r in res]
+        meta = _greedy_meta(srv, want_ids, want_lps)
         assert all(m["spec_verify_ct"] > 0 for m in meta), meta
         assert max(m["spec_accept_length"] for m in meta) > 2, meta
         assert all(m["spec_accept_token_num"] <= m["spec_draft_token_num"] for m in meta)
@@ -78,8 +85,32 @@ def test_ngram_tp2_equals_transformers(llama_dir: str) -> None:
         srv.stop()
 
 
+def test_standalone_tp2_equals_transformers(llama_dir: str, tmp_path: Any) -> None:
+    """A draft of the target's first two layers (its embeddings, norm and head) at --tp-size 2:
+    transformers' greedy ids and logprobs; drafts verified and some accepted."""
+    from benchmarks.common import save_layer_prefix
+
+    draft = save_layer_prefix(llama_dir, str(tmp_path / "draft"), 2)
+    want_ids, want_lps = _transformers(llama_dir)
+    srv = ServerProcess(["--model-path", llama_dir, "--tp-size", "2", "--device", "cpu",
+                         "--dtype", "float32", "--random-seed", "0", "--max-total-tokens",
+                         "2048", "--speculative-algorithm", "STANDALONE",
+                         "--speculative-draft-model-path", draft,
+                         "--speculative-num-steps", "3"]).start()
+    try:
+        meta = _greedy_meta(srv, want_ids, want_lps)
+        assert all(m["spec_verify_ct"] > 0 for m in meta), meta
+        assert sum(m["spec_accept_token_num"] for m in meta) > 0, meta
+        info = srv.server_info()["speculative"]
+        assert info["algorithm"] == "STANDALONE" and info["num_draft_tokens"] == 4, info
+        srv.assert_kv_invariant()
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--speculative-algorithm", "EAGLE"], "not implemented"),
+    (["--speculative-algorithm", "STANDALONE"], "needs --speculative-draft-model-path"),
     (["--speculative-num-draft-tokens", "4"], "needs --speculative-algorithm"),
     (["--speculative-algorithm", "NGRAM", "--speculative-draft-model-path", "/x"],
      "does not apply"),
