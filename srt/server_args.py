@@ -150,21 +150,23 @@ class ServerArgs:
     speculative_algorithm: str | None = _f(
         None, "Speculative decoding: NGRAM drafts each request's next tokens from its own "
         "prompt and output (prompt lookup, no extra model), STANDALONE with a smaller model of "
-        "the same tokenizer (--speculative-draft-model-path); the model verifies them in one "
+        "the same tokenizer (--speculative-draft-model-path), EAGLE / EAGLE3 with an EAGLE head "
+        "over the model's features (Llama-shaped models); the model verifies them in one "
         "step; greedy output is unchanged and sampling keeps the model's distribution "
-        "(rejection sampling). EAGLE / EAGLE3 are not implemented yet (refused).",
+        "(rejection sampling).",
         ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3"))
     speculative_draft_model_path: str | None = _f(
-        None, "Draft model directory (STANDALONE): a causal LM of the target's tokenizer, "
-        "with its own KV pool over the target's slots.")
+        None, "Draft model directory: STANDALONE a causal LM of the target's tokenizer, EAGLE / "
+        "EAGLE3 an EAGLE head checkpoint; either has its own KV pool over the target's slots.")
     speculative_num_steps: int | None = _f(
-        None, "Draft steps per verification (STANDALONE: one draft token each; default 3).")
+        None, "Draft tokens per verification of a draft model (STANDALONE, EAGLE, EAGLE3; "
+        "default 3).")
     speculative_eagle_topk: int | None = _f(
         None, "Branching of a draft tree; only 1 (a chain) is supported.")
     speculative_num_draft_tokens: int | None = _f(
         None, "Tokens verified per step and request, the last accepted one included (so at "
         "most this minus one draft tokens). Default: 5 for NGRAM, --speculative-num-steps + 1 "
-        "for STANDALONE.")
+        "for the draft models.")
     speculative_accept_threshold_single: float = _f(
         1.0, "SGLang's relaxed acceptance of a draft token; only 1.0 (exact: the output "
         "distribution is the model's) is supported.")
@@ -371,10 +373,6 @@ class ServerArgs:
                 raise ValueError(f"--{given[0].replace('_', '-')} needs "
                                  "--speculative-algorithm")
             return
-        if algo not in ("NGRAM", "STANDALONE"):
-            raise ValueError(f"--speculative-algorithm {algo} is not implemented in srt yet "
-                             "(NGRAM drafts from each request's own tokens, STANDALONE from a "
-                             "smaller model of the same tokenizer)")
         if algo == "NGRAM":
             for name in ("speculative_draft_model_path", "speculative_num_steps",
                          "speculative_eagle_topk"):
@@ -399,17 +397,20 @@ class ServerArgs:
             raise ValueError("--speculative-disable-by-batch-size must be >= 1")
 
     def _validate_draft_model(self) -> None:
-        """STANDALONE: a draft model directory, and a chain of drafts (top-k 1)."""
+        """STANDALONE, EAGLE, EAGLE3: a draft model directory, and a chain of drafts
+        (top-k 1)."""
         path = self.speculative_draft_model_path
+        algo = self.speculative_algorithm
         if path is None:
-            raise ValueError("--speculative-algorithm STANDALONE needs "
-                             "--speculative-draft-model-path (a smaller model of the same "
-                             "tokenizer)")
+            what = ("a smaller model of the same tokenizer" if algo == "STANDALONE"
+                    else f"an {algo} head checkpoint")
+            raise ValueError(f"--speculative-algorithm {algo} needs "
+                             f"--speculative-draft-model-path ({what})")
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"--speculative-draft-model-path {path!r} is not a model directory "
                              "(no config.json)")
         if self.speculative_eagle_topk not in (None, 1):
-            raise ValueError("--speculative-eagle-topk must be 1 with STANDALONE: srt drafts one "
+            raise ValueError(f"--speculative-eagle-topk must be 1 with {algo}: srt drafts one "
                              "chain of tokens (tree drafts are not implemented)")
         steps, n = self.speculative_num_steps, self.speculative_num_draft_tokens
         if steps is not None and not 1 <= steps <= 63:

@@ -78,6 +78,9 @@ class ForwardBatch:
     # end of their context (decode rows riding in a fill step); a backend that sets
     # `supports_decode_tail` may compute them as DECODE rows. 0: every request is an extend.
     decode_tail: int = 0
+    # An EAGLE draft head's step only: the features of each row (the target's hidden states,
+    # or the head's own from the draft step before).
+    spec_hidden: torch.Tensor | None = None
 
 
 _current: list[ForwardBatch] = []

@@ -10,7 +10,8 @@ replays the graph of the smallest captured size >= bs, with the extra rows padde
 position 0, context length 1, KV written to the pool's padding slot, request row 0); their logits
 are dropped. Inputs are copied into static buffers whose addresses the graphs captured; the
 attention backend refreshes its own metadata in place (`init_cuda_graph_replay`). Replayed logits
-live in the graph's output buffer and are valid until the next replay.
+live in the graph's output buffer and are valid until the next replay; so do the hidden states
+a model keeps for an EAGLE draft (`spec_hidden`), which replay puts back on the model.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # a model's spec_hidden of each graph
         self.mempool: Any = None
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
@@ -101,6 +103,9 @@ class CudaGraphRunner:
             self.mempool = graph.pool()
             self.graphs[bs] = graph
             self.outputs[bs] = out
+            hidden = getattr(self.runner.model, "spec_hidden", None)
+            if hidden is not None:
+                self.hidden[bs] = hidden
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize(self.runner.device)
         logger.info("captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s",
@@ -128,4 +133,6 @@ class CudaGraphRunner:
         static = self._static_batch(pbs, list(fb.seq_lens_cpu) + [1] * (pbs - bs))
         self.backend.init_cuda_graph_replay(static)
         self.graphs[pbs].replay()
+        if pbs in self.hidden:
+            self.runner.model.spec_hidden = self.hidden[pbs][:bs]
         return self.outputs[pbs][:bs]

@@ -30,6 +30,7 @@ import torch
 from srt.layers import parallel_state
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.model_config import ModelConfig
+from srt.model_process.batch import StepPlan
 from srt.model_process.model_runner import ModelRunner
 from srt.model_process.step_inputs import StepInputBuilder
 
@@ -58,8 +59,8 @@ class DraftRunner(ModelRunner):
         self.model = self._load_model()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.inputs = StepInputBuilder(self.device)
-        logger.info("STANDALONE draft model %s (%s, %d layers, %.2f GB)",
-                    args.speculative_draft_model_path, self.config.architecture,
+        logger.info("%s draft model %s (%s, %d layers, %.2f GB)",
+                    args.speculative_algorithm, args.speculative_draft_model_path, self.config.architecture,
                     self.config.num_layers, self.weight_bytes / 1e9)
 
     def init_pool_and_backend(self) -> None:
@@ -77,12 +78,26 @@ class DraftRunner(ModelRunner):
             return ids
         return torch.where(ids < self.config.vocab_size, ids, torch.zeros_like(ids))
 
-    def mirror(self, fb: ForwardBatch) -> None:
-        """Run the draft on a target step's inputs: its KV of the step's positions, at the
-        same slots (its logits are not needed)."""
-        self.forward(dataclasses.replace(
-            fb, input_ids=self._own_ids(fb.input_ids), token_to_kv_pool=self.token_to_kv_pool,
-            attn_backend=self.attn_backend, attn_metadata=None, prompt_logprobs=None))
+    def mirror(self, fb: ForwardBatch, plan: StepPlan, ids: torch.Tensor,
+               req_rows: torch.Tensor, select: torch.Tensor | None) -> None:
+        """Run the draft on a target step (`fb`, launched from `plan`) after its sampling:
+        its KV of the step's positions, at the same slots. `ids`: what the step sampled (one
+        per request, or per row of a verification); `req_rows`: each request's req_to_token
+        row; `select`: the rows sampled (None: each request's last). A STANDALONE draft reads
+        the step's own inputs, so only `fb` matters to it (its logits are not needed)."""
+        self.forward(self._on_draft(fb, self._own_ids(fb.input_ids)))
+
+    def _on_draft(self, fb: ForwardBatch, input_ids: torch.Tensor,
+                  spec_hidden: torch.Tensor | None = None) -> ForwardBatch:
+        """A target step's batch with other inputs, on the draft's pool and backend."""
+        return dataclasses.replace(
+            fb, input_ids=input_ids, spec_hidden=spec_hidden,
+            token_to_kv_pool=self.token_to_kv_pool, attn_backend=self.attn_backend,
+            attn_metadata=None, prompt_logprobs=None)
+
+    def accept(self, step_rows: list[int], req_rows: list[int]) -> None:
+        """After a verification step: request j kept the step's rows up to step_rows[j]
+        (its req_to_token row req_rows[j]). A STANDALONE draft keeps nothing per row."""
 
     @torch.inference_mode()
     def propose(self, rows: np.ndarray, kv_lens: np.ndarray, last_ids: list[int],

@@ -161,13 +161,13 @@ class StepExecutor:
             fb.prompt_logprobs = lps.prompt_request
         self.timer.mark("prepare")
         logits = self.runner.forward(fb)
-        if self.runner.draft is not None:  # STANDALONE: the draft's KV of the same positions
-            self.runner.draft.mirror(fb)
         req_rows = t.req_pool_indices
+        select = None
         if plan.sample_rows is not None:
             both = torch.from_numpy(np.stack((np.asarray(plan.sample_rows, dtype=np.int64),
                                               plan.req_rows))).to(dev, non_blocking=True)
-            logits, req_rows = logits.index_select(0, both[0]), both[1]
+            select, req_rows = both[0], both[1]
+            logits = logits.index_select(0, select)
         self.timer.mark("forward")
         if before_sample is not None:
             before_sample()
@@ -206,6 +206,10 @@ class StepExecutor:
             done.record()
         else:
             host = ids
+        if self.runner.draft is not None:
+            # the draft's KV of the step's positions (and an EAGLE head's next features),
+            # queued after the copy of the ids so that reading them does not wait for it
+            self.runner.draft.mirror(fb, plan, ids, req_rows, select)
         for r in reqs:
             if not r.finished:  # (finished by the read in before_sample: its token is dropped)
                 r.forward_passes += 1

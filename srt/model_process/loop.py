@@ -326,10 +326,12 @@ class ModelProcess:
         v = plan.verify
         assert v is not None
         live: list[Req] = []
+        kept: list[int] = []  # each request's last kept row of the step
         for r, start, draft in zip(plan.reqs, v.starts, v.drafts):
             r.in_flight -= 1
             written = r.kv_len + 1 + len(draft)  # positions this step wrote KV for, exclusive
             n = accepted_length(res.ids, start, draft)
+            kept.append(start + n)
             emitted = 0
             for j in range(n + 1):
                 self.output.append(r, res.ids[start + j], res.output_logprobs[start + j],
@@ -340,6 +342,8 @@ class ModelProcess:
             self.spec.note(r, len(draft), min(n, emitted), emitted)
             self.kv.free_tail(r, r.kv_len, written)  # rows past the kept tokens
             live.append(r)
+        if self.runner.draft is not None:
+            self.runner.draft.accept(kept, [r.req_pool_idx for r in plan.reqs])
         self.output.finish_dead_ends(live)
         self.batch.kv_lens[:] = [r.kv_len for r in self.batch.reqs]
         running = [r for r in live if not r.finished]

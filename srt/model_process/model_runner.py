@@ -69,6 +69,9 @@ def resolve_dtype(name: str, config_dtype: str | None, device: torch.device) -> 
 
 
 class ModelRunner:
+    # whether decode steps run from CUDA graphs on a GPU (unless --disable-cuda-graph)
+    use_cuda_graphs = True
+
     def __init__(self, args: ServerArgs, config: ModelConfig, tp_rank: int,
                  dist_init_port: int | None = None) -> None:
         self.args = args
@@ -100,6 +103,10 @@ class ModelRunner:
             from srt.model_process.draft_runner import DraftRunner
 
             self.draft = DraftRunner(self)
+        elif args.speculative_algorithm in ("EAGLE", "EAGLE3"):
+            from srt.model_process.eagle_runner import EagleRunner
+
+            self.draft = EagleRunner(self)
         if self.device.type == "cuda":
             # the model-dtype weights that quantization replaced are free now: give the cached
             # blocks back so that the pool sizing below counts them as free
@@ -150,7 +157,7 @@ class ModelRunner:
         self.sampler_generator = torch.Generator(device=self.device)
         self.sampler_generator.manual_seed(args.random_seed or 0)
         self.graph_runner: CudaGraphRunner | None = None
-        if self.device.type == "cuda" and not args.disable_cuda_graph:
+        if self.device.type == "cuda" and not args.disable_cuda_graph and self.use_cuda_graphs:
             if self.attn_backend.supports_cuda_graph:
                 self.graph_runner = CudaGraphRunner(
                     self, min(args.cuda_graph_max_bs, self.max_running_requests),
@@ -205,8 +212,11 @@ class ModelRunner:
             kv_cache_dtype=str(self.kv_cache_dtype).replace("torch.", ""),
         )
 
+    def _model_class(self) -> type:
+        return get_model_class(self.config.architecture)
+
     def _load_model(self) -> torch.nn.Module:
-        cls = get_model_class(self.config.architecture)
+        cls = self._model_class()
         old = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:

@@ -119,13 +119,21 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                input_embeds: torch.Tensor | None = None,
+                aux_layers: tuple[int, ...] = (),
+                aux: list[torch.Tensor] | None = None) -> torch.Tensor:
         """input_embeds, when given, replaces the embedding of input_ids (a multimodal model
-        wrote image features into some rows)."""
+        wrote image features into some rows). `aux`: receives the input of each layer of
+        `aux_layers` (the residual stream, EAGLE3's features; the number of layers: the last
+        layer's output before the final norm)."""
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers and aux is not None:
+                aux.extend([x if residual is None else x + residual] * aux_layers.count(i))
             x, residual = layer(positions, x, residual)
+        if len(self.layers) in aux_layers and aux is not None:
+            aux.extend([x + residual] * aux_layers.count(len(self.layers)))
         x, _ = self.norm(x, residual)
         return x
 
@@ -167,6 +175,11 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        # EAGLE speculative decoding reads the hidden states of every row of a step
+        # (`spec_hidden`): None keeps none, () the final normed ones (EAGLE), layer indices the
+        # inputs of those layers side by side (EAGLE3).
+        self.capture_hidden: tuple[int, ...] | None = None
+        self.spec_hidden: torch.Tensor | None = None
 
     def lm_head_weight(self) -> torch.Tensor:
         if self.tie_word_embeddings:
@@ -175,7 +188,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Float32 logits [batch, vocab] for each request's next token."""
-        hidden = self.model(fb.input_ids, fb.positions)
+        if self.capture_hidden is None:
+            hidden = self.model(fb.input_ids, fb.positions)
+        else:
+            aux: list[torch.Tensor] = []
+            hidden = self.model(fb.input_ids, fb.positions, aux_layers=self.capture_hidden,
+                                aux=aux)
+            self.spec_hidden = torch.cat(aux, dim=-1) if aux else hidden
         return self.logits_processor(hidden, self.lm_head_weight(), fb)
 
     def _load_kv_scale(self, name: str, tensor: Any) -> None:

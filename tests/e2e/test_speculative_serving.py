@@ -1,7 +1,7 @@
-"""Speculative decoding through the real server: NGRAM and STANDALONE at --tp-size 2 (gloo)
-give transformers' greedy tokens and logprobs on a random Llama with prompts that repeat (most
-drafts accepted); meta_info, /get_server_info and /metrics report it; the OpenAI client works
-unchanged; algorithms srt does not implement are refused at start-up."""
+"""Speculative decoding through the real server: NGRAM, STANDALONE and EAGLE3 at --tp-size 2
+(gloo) give transformers' greedy tokens and logprobs on a random Llama with prompts that repeat
+(most drafts accepted); meta_info, /get_server_info and /metrics report it; the OpenAI client
+works unchanged; combinations srt does not support are refused at start-up."""
 
 from __future__ import annotations
 
@@ -108,8 +108,30 @@ def test_standalone_tp2_equals_transformers(llama_dir: str, tmp_path: Any) -> No
         srv.stop()
 
 
+def test_eagle3_tp2_equals_transformers(llama_dir: str, tmp_path: Any) -> None:
+    """A random EAGLE3 head (its own LM head over 300 ids, d2t) at --tp-size 2: transformers'
+    greedy ids and logprobs with drafts verified every step."""
+    from tests.eagle_heads import save_eagle_head
+
+    head, _ = save_eagle_head(str(tmp_path / "head"), llama_dir, "EAGLE3",
+                              eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+    want_ids, want_lps = _transformers(llama_dir)
+    srv = ServerProcess(["--model-path", llama_dir, "--tp-size", "2", "--device", "cpu",
+                         "--dtype", "float32", "--random-seed", "0", "--max-total-tokens",
+                         "2048", "--speculative-algorithm", "EAGLE3",
+                         "--speculative-draft-model-path", head]).start()
+    try:
+        meta = _greedy_meta(srv, want_ids, want_lps)
+        assert all(m["spec_verify_ct"] > 0 and m["spec_draft_token_num"] > 0 for m in meta), meta
+        info = srv.server_info()["speculative"]
+        assert info["algorithm"] == "EAGLE3" and info["num_draft_tokens"] == 4, info
+        srv.assert_kv_invariant()
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("flags,message", [
-    (["--speculative-algorithm", "EAGLE"], "not implemented"),
+    (["--speculative-algorithm", "EAGLE"], "needs --speculative-draft-model-path (an EAGLE"),
     (["--speculative-algorithm", "STANDALONE"], "needs --speculative-draft-model-path"),
     (["--speculative-num-draft-tokens", "4"], "needs --speculative-algorithm"),
     (["--speculative-algorithm", "NGRAM", "--speculative-draft-model-path", "/x"],

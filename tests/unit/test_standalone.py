@@ -24,8 +24,8 @@ from tests.overlap_cases import assert_same, late_stops, mixed_requests, serve
 from tests.unit.test_speculative import COPY, _chat, _greedy_only, _repeating_requests
 
 
-def _spec(draft: str, **extra: Any) -> dict[str, Any]:
-    return {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": draft,
+def _spec(draft: str, algorithm: str = "STANDALONE", **extra: Any) -> dict[str, Any]:
+    return {"speculative_algorithm": algorithm, "speculative_draft_model_path": draft,
             **extra}
 
 
@@ -50,13 +50,16 @@ def _workload(vocab: int, stops: dict[str, int] | None) -> list[TokenizedGenerat
     return mixed_requests(vocab, 10, 3, stops) + _repeating_requests(vocab, stops)
 
 
-def _check_equal(target_dir: str, draft_dir: str, **flags: Any) -> dict[str, Any]:
+def _check_equal(target_dir: str, draft_dir: str, algorithm: str = "STANDALONE",
+                 **flags: Any) -> dict[str, Any]:
+    """Greedy ids, finish reasons and logprobs with drafts equal to decoding without, on the
+    mixed workload and again over its cached prefixes; the speculative counters."""
     plain = cpu_model_server(target_dir, **flags)
     vocab = plain.config.vocab_size
     stops = {k: v for k, v in late_stops(serve(plain, _workload(vocab, None))).items()
              if not k.startswith("rp")}
     want = serve(plain, _workload(vocab, stops))
-    spec = cpu_model_server(target_dir, **flags, **_spec(draft_dir))
+    spec = cpu_model_server(target_dir, **flags, **_spec(draft_dir, algorithm))
     reqs = _workload(vocab, stops)
     outs = serve_all(spec, reqs)
     got = serve(spec, _workload(vocab, stops))  # a second pass: drafts over cached prefixes
@@ -207,8 +210,8 @@ def test_start_up_refusals(target_dir: str, tmp_path: Any) -> None:
         (_spec(target_dir, speculative_num_steps=3, speculative_num_draft_tokens=6),
          "must be --speculative-num-steps + 1"),
         (_spec(target_dir, speculative_num_steps=0), "--speculative-num-steps must be in"),
-        (dict(speculative_algorithm="EAGLE", speculative_draft_model_path=target_dir),
-         "not implemented"),
+        (dict(speculative_algorithm="EAGLE3"),
+         "needs --speculative-draft-model-path .an EAGLE3 head checkpoint"),
     ]
     for flags, message in cases:
         with pytest.raises(ValueError, match=message.replace("+", r"\+")):

@@ -1,0 +1,194 @@
+"""EAGLE and EAGLE3 speculative decoding on a model process stepped in this process, float32 on
+the CPU: every chain of drafts srt proposes equals what a reference head built from
+transformers' Llama layers over transformers' hidden states drafts after the same tokens
+(random heads, and a head that agrees with its target most of the time, so that verification
+steps keep every number of rows); greedy output equal to decoding without drafts on a mixed
+workload (stops, logprobs, n = 2, penalties, min_new_tokens), overlapped and not, with chunks
+and mixed steps; start-up refusals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from srt.managers.io_struct import TokenizedGenerateReq
+from srt.model_process.speculative import Speculator
+from srt.models.llama_eagle import eagle3_aux_layers
+from srt.server_args import ServerArgs
+from tests.eagle_heads import reference_drafts, save_eagle_head
+from tests.model_process import cpu_model_server, kv_is_free, serve_all
+from tests.unit.test_standalone import _check_equal
+
+AUX = (1, 2, 3)  # the EAGLE3 heads below name layer outputs 0, 1, 2: the inputs of 1, 2, 3
+
+
+def _spec(kind: str, head: str, **extra: Any) -> dict[str, Any]:
+    return {"speculative_algorithm": kind, "speculative_draft_model_path": head, **extra}
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: Any) -> str:
+    from tests.random_models import save_random_llama
+
+    return save_random_llama(str(tmp_path_factory.mktemp("eagle_target")))
+
+
+@pytest.fixture(scope="module")
+def echo_target_dir(tmp_path_factory: Any) -> str:
+    """A target whose next token is a fixed function f of its last token: every layer's
+    output projections are zero and the final norm's weight is one, so its hidden state is
+    its last token's normalized embedding (an EAGLE head can learn f exactly)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.random_models import save_random_llama
+
+    path = save_random_llama(str(tmp_path_factory.mktemp("eagle_echo")))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+    model.save_pretrained(path)
+    return path
+
+
+def _near_oracle_head(path: str, target_dir: str, noise: float) -> tuple[str, Any]:
+    """An EAGLE head of the echo target that drafts f(token) (fc passes the embedding through,
+    its layer adds nothing), with `noise` on fc so that some drafts are wrong."""
+    from safetensors.torch import save_file
+
+    path, ref = save_eagle_head(path, target_dir, "EAGLE")
+    h = ref.fc.weight.shape[0]
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        ref.fc.weight.zero_()
+        ref.fc.weight[:, :h] = torch.eye(h) + noise / h**0.5 * torch.randn(h, h, generator=g)
+        ref.fc.bias.zero_()
+        for layer in ref.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()},
+              f"{path}/model.safetensors")
+    return path, ref
+
+
+def _record(server: Any) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """Each verification round's contexts (the requests' tokens, the last not yet computed)
+    and drafts, recorded around the real Speculator."""
+    rounds: list[tuple[list[list[int]], list[list[int]]]] = []
+    spec: Speculator = server.spec
+    original = spec.drafts
+
+    def drafts(batch: Any, room: int, alloc: Any) -> Any:
+        out = original(batch, room, alloc)
+        if out is not None:
+            rounds.append(([list(r.fill_ids) for r in batch.reqs], out[0]))
+        return out
+
+    spec.drafts = drafts  # type: ignore[method-assign]
+    return rounds
+
+
+def _prompts(n: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(4)
+    # distinct first tokens: no prefix is shared in the radix cache
+    return [[10 + i] + torch.randint(2, 500, (length - 1,), generator=g).tolist()
+            for i in range(n)]
+
+
+def _check_drafts(target_dir: str, head_dir: str, ref: Any, kind: str,
+                  **flags: Any) -> dict[str, int]:
+    from transformers import AutoModelForCausalLM
+
+    server = cpu_model_server(target_dir, **_spec(kind, head_dir, **flags))
+    rounds = _record(server)
+    reqs = [TokenizedGenerateReq(f"r{i}", p, {"temperature": 0, "max_new_tokens": 24 + 3 * i,
+                                              "ignore_eos": True})
+            for i, p in enumerate(_prompts(4, 9))]
+    outs = serve_all(server, reqs)
+    assert kv_is_free(server)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    checked = 0
+    for contexts, drafts in rounds:
+        for ctx, d in zip(contexts, drafts):
+            if d:
+                assert d == reference_drafts(target, ref, kind, ctx, len(d), AUX), (ctx, d)
+                checked += 1
+    assert checked > 10
+    counts = [o[-1].spec for o in outs.values()]
+    return {"drafted": sum(c.draft_tokens for c in counts),
+            "accepted": sum(c.accepted_tokens for c in counts),
+            "steps": sum(c.verify_ct for c in counts)}
+
+
+@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
+def test_drafts_equal_a_reference_head(target_dir: str, tmp_path: Any, kind: str) -> None:
+    """A random head: every proposed chain is the reference's after the same context (the
+    head's KV of every earlier position holds the target's features of it)."""
+    extra = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}} \
+        if kind == "EAGLE3" else {}
+    head, ref = save_eagle_head(str(tmp_path / "head"), target_dir, kind, **extra)
+    _check_drafts(target_dir, head, ref, kind)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_accepted_drafts_continue_from_the_kept_row(echo_target_dir: str, tmp_path: Any,
+                                                    overlap: bool) -> None:
+    """A head that agrees with its target most of the time: verification steps keep some,
+    all or none of the drafts, and the next chain still equals the reference's, so the head's
+    first draft and feature come from each request's last kept row."""
+    head, ref = _near_oracle_head(str(tmp_path / "head"), echo_target_dir, 0.35)
+    r = _check_drafts(echo_target_dir, head, ref, "EAGLE", speculative_num_steps=4,
+                      disable_overlap_schedule=not overlap)
+    assert 0.3 * r["drafted"] < r["accepted"] < r["drafted"], r
+
+
+def test_a_matching_head_has_every_draft_accepted(echo_target_dir: str, tmp_path: Any) -> None:
+    head, ref = _near_oracle_head(str(tmp_path / "head"), echo_target_dir, 0.0)
+    r = _check_drafts(echo_target_dir, head, ref, "EAGLE", speculative_num_steps=5)
+    assert r["drafted"] > 40 and r["accepted"] == r["drafted"], r
+
+
+@pytest.mark.parametrize("kind,flags", [
+    ("EAGLE", {}),
+    ("EAGLE", {"disable_overlap_schedule": True}),
+    ("EAGLE3", {"chunked_prefill_size": 16, "enable_mixed_chunk": True}),
+])
+def test_greedy_output_unchanged(target_dir: str, tmp_path: Any, kind: str,
+                                 flags: dict[str, Any]) -> None:
+    head, _ = save_eagle_head(str(tmp_path / "head"), target_dir, kind)
+    r = _check_equal(target_dir, head, kind, **flags)
+    assert r["stats"]["verify_steps"] > 0 and r["stats"]["draft_tokens"] > 0, r
+
+
+def test_eagle3_feature_layers() -> None:
+    class Cfg:
+        eagle_config = None
+
+    assert eagle3_aux_layers(Cfg(), 32) == (2, 16, 29)
+    Cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}
+    assert eagle3_aux_layers(Cfg(), 32) == (2, 16, 29)
+    Cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": [1, 40, 28]}
+    with pytest.raises(ValueError, match="do not fit"):
+        eagle3_aux_layers(Cfg(), 32)
+
+
+def test_start_up_refusals(target_dir: str, tmp_path: Any) -> None:
+    eagle, _ = save_eagle_head(str(tmp_path / "e"), target_dir, "EAGLE")
+    eagle3, _ = save_eagle_head(str(tmp_path / "e3"), target_dir, "EAGLE3")
+    with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
+        ServerArgs(model_path=target_dir, speculative_algorithm="EAGLE").validate()
+    with pytest.raises(ValueError, match="is not an EAGLE3 head"):
+        cpu_model_server(target_dir, **_spec("EAGLE3", eagle))
+    with pytest.raises(ValueError, match="is not an EAGLE head"):
+        cpu_model_server(target_dir, **_spec("EAGLE", eagle3))
+    from tests.random_models import save_random_llama
+
+    wide = save_random_llama(str(tmp_path / "wide"), hidden_size=128, intermediate_size=256,
+                             num_attention_heads=4, num_key_value_heads=2)
+    other, _ = save_eagle_head(str(tmp_path / "o"), wide, "EAGLE")
+    with pytest.raises(ValueError, match="hidden size"):
+        cpu_model_server(target_dir, **_spec("EAGLE", other))
