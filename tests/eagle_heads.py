@@ -169,3 +169,41 @@ def reference_drafts(target: Any, head: nn.Module, kind: str, context: list[int]
         tokens = torch.cat((tokens, torch.tensor([d])))
         feats = torch.cat((feats, feature[-1:]))
     return drafts
+
+
+def save_echo_llama(path: str, **overrides: Any) -> str:
+    """A random Llama whose next token is a fixed function f of its last token: every layer's
+    output projections are zero and the final norm's weight is one, so its hidden state is its
+    last token's normalized embedding (an EAGLE head can compute f exactly)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.random_models import save_random_llama
+
+    save_random_llama(path, **overrides)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+    model.save_pretrained(path)
+    return path
+
+
+def near_oracle_head(path: str, target_dir: str, noise: float) -> tuple[str, Any]:
+    """An EAGLE head of an echo target (save_echo_llama) that drafts f(token): fc passes the
+    embedding through and its layer adds nothing; `noise` (relative) on fc makes some drafts
+    wrong."""
+    path, ref = save_eagle_head(path, target_dir, "EAGLE")
+    h = ref.fc.weight.shape[0]
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        ref.fc.weight.zero_()
+        ref.fc.weight[:, :h] = torch.eye(h) + noise / h**0.5 * torch.randn(h, h, generator=g)
+        ref.fc.bias.zero_()
+        for layer in ref.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()},
+              os.path.join(path, "model.safetensors"))
+    return path, ref

@@ -17,7 +17,8 @@ from srt.managers.io_struct import TokenizedGenerateReq
 from srt.model_process.speculative import Speculator
 from srt.models.llama_eagle import eagle3_aux_layers
 from srt.server_args import ServerArgs
-from tests.eagle_heads import reference_drafts, save_eagle_head
+from tests.eagle_heads import (near_oracle_head, reference_drafts, save_eagle_head,
+                                save_echo_llama)
 from tests.model_process import cpu_model_server, kv_is_free, serve_all
 from tests.unit.test_standalone import _check_equal
 
@@ -37,42 +38,7 @@ def target_dir(tmp_path_factory: Any) -> str:
 
 @pytest.fixture(scope="module")
 def echo_target_dir(tmp_path_factory: Any) -> str:
-    """A target whose next token is a fixed function f of its last token: every layer's
-    output projections are zero and the final norm's weight is one, so its hidden state is
-    its last token's normalized embedding (an EAGLE head can learn f exactly)."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.random_models import save_random_llama
-
-    path = save_random_llama(str(tmp_path_factory.mktemp("eagle_echo")))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.norm.weight.fill_(1.0)
-    model.save_pretrained(path)
-    return path
-
-
-def _near_oracle_head(path: str, target_dir: str, noise: float) -> tuple[str, Any]:
-    """An EAGLE head of the echo target that drafts f(token) (fc passes the embedding through,
-    its layer adds nothing), with `noise` on fc so that some drafts are wrong."""
-    from safetensors.torch import save_file
-
-    path, ref = save_eagle_head(path, target_dir, "EAGLE")
-    h = ref.fc.weight.shape[0]
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        ref.fc.weight.zero_()
-        ref.fc.weight[:, :h] = torch.eye(h) + noise / h**0.5 * torch.randn(h, h, generator=g)
-        ref.fc.bias.zero_()
-        for layer in ref.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    save_file({k: v.contiguous() for k, v in ref.state_dict().items()},
-              f"{path}/model.safetensors")
-    return path, ref
+    return save_echo_llama(str(tmp_path_factory.mktemp("eagle_echo")))
 
 
 def _record(server: Any) -> list[tuple[list[list[int]], list[list[int]]]]:
@@ -140,14 +106,14 @@ def test_accepted_drafts_continue_from_the_kept_row(echo_target_dir: str, tmp_pa
     """A head that agrees with its target most of the time: verification steps keep some,
     all or none of the drafts, and the next chain still equals the reference's, so the head's
     first draft and feature come from each request's last kept row."""
-    head, ref = _near_oracle_head(str(tmp_path / "head"), echo_target_dir, 0.35)
+    head, ref = near_oracle_head(str(tmp_path / "head"), echo_target_dir, 0.35)
     r = _check_drafts(echo_target_dir, head, ref, "EAGLE", speculative_num_steps=4,
                       disable_overlap_schedule=not overlap)
     assert 0.3 * r["drafted"] < r["accepted"] < r["drafted"], r
 
 
 def test_a_matching_head_has_every_draft_accepted(echo_target_dir: str, tmp_path: Any) -> None:
-    head, ref = _near_oracle_head(str(tmp_path / "head"), echo_target_dir, 0.0)
+    head, ref = near_oracle_head(str(tmp_path / "head"), echo_target_dir, 0.0)
     r = _check_drafts(echo_target_dir, head, ref, "EAGLE", speculative_num_steps=5)
     assert r["drafted"] > 40 and r["accepted"] == r["drafted"], r
 

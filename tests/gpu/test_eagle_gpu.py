@@ -1,0 +1,70 @@
+"""EAGLE / EAGLE3 on a GPU (GPU only): float32, Triton attention, the target's decode and
+verification steps from CUDA graphs (its features come out of the graphs), the head eager, the
+overlapped loop. A head that computes its target's next token exactly has every draft accepted
+and the ids of decoding without drafts, in and beyond the largest graph; a random EAGLE3 head
+keeps the output of decoding without drafts on a mixed workload."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.eagle_heads import near_oracle_head, save_eagle_head, save_echo_llama
+from tests.overlap_cases import assert_same, mixed_requests, serve
+from tests.unit.test_speculative import _greedy_only, _repeating_requests
+
+pytestmark = pytest.mark.gpu
+
+
+def _server(model_dir: str, **extra: Any) -> Any:
+    from srt.model_process.loop import ModelProcess
+    from srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=model_dir, tokenizer_path=model_dir, device="cuda",
+                      dtype="float32", attention_backend="triton", max_total_tokens=65536,
+                      cuda_graph_max_bs=32, random_seed=0, **extra)
+    return ModelProcess(args, 0)
+
+
+def _free(s: Any) -> bool:
+    return s.kv.is_free() and not s.running and not s.waiting and s.inflight is None
+
+
+@pytest.mark.parametrize("n", [10, 40])  # verification rows within / beyond 32 graph rows
+def test_matching_eagle_head_accepts_every_draft(tmp_path: Any, n: int) -> None:
+    target = save_echo_llama(str(tmp_path / "t"), vocab_size=6000)
+    head, _ = near_oracle_head(str(tmp_path / "h"), target, 0.0)
+    plain = _server(target)
+    spec = _server(target, speculative_algorithm="EAGLE", speculative_draft_model_path=head,
+                   speculative_num_steps=4, speculative_disable_by_batch_size=4096)
+    vocab = plain.config.vocab_size
+    reqs = lambda: mixed_requests(vocab, n, 5, None)
+    want = serve(plain, reqs())
+    r = reqs()
+    got = serve(spec, r)
+    assert_same(_greedy_only(got, r), _greedy_only(want, r))
+    s = spec.stats()["speculative"]
+    assert s["verify_steps"] > 0 and s["draft_tokens"] > 100, s
+    assert s["accepted_tokens"] > 0.95 * s["draft_tokens"], s
+    assert spec.runner.graph_runner is not None and spec.runner.graph_runner.hidden
+    assert _free(plain) and _free(spec)
+
+
+def test_random_eagle3_head_keeps_the_output(tmp_path: Any) -> None:
+    from tests.random_models import save_random_llama
+
+    target = save_random_llama(str(tmp_path / "t"), vocab_size=6000)
+    head, _ = save_eagle_head(str(tmp_path / "h"), target, "EAGLE3")
+    plain = _server(target)
+    spec = _server(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                   speculative_disable_by_batch_size=4096)
+    vocab = plain.config.vocab_size
+    reqs = lambda: mixed_requests(vocab, 40, 5, None) + _repeating_requests(vocab, None)
+    want = serve(plain, reqs())
+    r = reqs()
+    got = serve(spec, r)
+    assert_same(_greedy_only(got, r), _greedy_only(want, r))
+    s = spec.stats()["speculative"]
+    assert s["verify_steps"] > 0 and s["draft_tokens"] > 0, s
+    assert _free(plain) and _free(spec)
