@@ -13,9 +13,16 @@ the next tokens of the recorded output. (In bf16 a verification's rows may still
 the recorded tokens at near-ties; the accept length column says how many were kept.) The model
 process runs in this process (srt.model_process.loop.ModelProcess) on the GPU, CUDA graphs on.
 
+`--algorithm eagle` prices an EAGLE round instead: a one-layer EAGLE head of the shape (random
+weights) drafts n - 1 tokens per request in n - 2 head steps, its output replaced by the oracle's
+after it ran (so the round costs what a real head's does and the acceptance is forced), the head
+mirrors every target step, and the target's features come out of its CUDA graphs. Its plain
+baseline is a second model process without a head, in the same run.
+
 Per row: the decode time per step (plain) and per verification step (oracle), their ratio, the
 accepted length (tokens per request and step), output tokens/s of both and the speedup; the
-floor of a plain step (weight bytes over the copy bandwidth measured in the same run).
+floor of a plain step (weight bytes over the copy bandwidth measured in the same run). With a
+real draft of accept length L the speedup is about L / ratio.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ class OracleDrafter:
         self.recorded = recorded
 
     def propose(self, req: Any, k: int) -> list[int]:
-        out = self.recorded[req.rid]
+        out = self.recorded.get(req.rid, [])  # (none for warm-up requests)
         n = len(req.output_ids)
         return out[n : n + k]
 
@@ -75,6 +82,21 @@ def run(proc: Any, prompts: list[list[int]], output_len: int, tag: str
     return outs, time.perf_counter() - t0
 
 
+def _oracle_after(drafts: Any, oracle: OracleDrafter) -> Any:
+    """Speculator.drafts whose drafts, once the draft model proposed them (and paid for it),
+    are replaced by the oracle's where it has them."""
+    def wrapped(batch: Any, room: int, alloc: Any) -> Any:
+        out = drafts(batch, room, alloc)
+        if out is None:
+            return None
+        new = []
+        for r, d in zip(batch.reqs, out[0]):
+            o = oracle.propose(r, len(d))
+            new.append(o + d[len(o):])
+        return new, out[1]
+    return wrapped
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -92,6 +114,7 @@ def main() -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=512)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="bfloat16", help="float32 for a CPU smoke test")
+    p.add_argument("--algorithm", default="ngram", choices=["ngram", "eagle"])
     p.add_argument("--out", default=None)
     a = p.parse_args()
 
@@ -108,7 +131,18 @@ def main() -> None:
                       max_prefill_tokens=max(8192, max(a.batch) * a.input_len),
                       chunked_prefill_size=-1, speculative_algorithm="NGRAM",
                       speculative_disable_by_batch_size=1 << 20)
+    eagle = None
+    if a.algorithm == "eagle":
+        # two processes share the device: each pool holds what the run needs
+        cap = max(a.batch) * (a.input_len + a.output_len + max(a.num_draft_tokens) + 8)
+        args = dataclasses.replace(args, max_total_tokens=cap)
     proc = ModelProcess(args, 0)
+    if a.algorithm == "eagle":
+        head = write_shape_dir(a.shape, tempfile.mkdtemp(prefix="srt-eagle-head-"),
+                               num_hidden_layers=1)
+        eagle = ModelProcess(dataclasses.replace(
+            args, speculative_algorithm="EAGLE", speculative_draft_model_path=head,
+            speculative_num_steps=max(a.num_draft_tokens) - 1), 0)
     weight_bytes = proc.runner.weight_bytes
     floor_ms = weight_bytes / bw * 1e3
     rng = random.Random(0)
@@ -122,11 +156,24 @@ def main() -> None:
         plain_steps = a.output_len - 1
         plain_ms = plain_s / plain_steps * 1e3
         for n in a.num_draft_tokens:
-            spec = Speculator(dataclasses.replace(args, speculative_num_draft_tokens=n), proc.config.vocab_size)
-            spec.proposer = OracleDrafter({rid.replace(f"b{bs}-", f"o{bs}-{n}-"): ids
-                                           for rid, ids in recorded.items()})
-            proc.spec = spec
-            outs, spec_s = run(proc, prompts, a.output_len, f"o{bs}-{n}-")
+            oracle = OracleDrafter({rid.replace(f"b{bs}-", f"o{bs}-{n}-"): ids
+                                    for rid, ids in recorded.items()})
+            if eagle is not None:
+                target = eagle
+                spec = Speculator(dataclasses.replace(
+                    eagle.args, speculative_num_steps=n - 1), proc.config.vocab_size,
+                    eagle.runner.draft)
+                spec.drafts = _oracle_after(spec.drafts, oracle)  # type: ignore[method-assign]
+                if bs == a.batch[0] and n == a.num_draft_tokens[0]:
+                    eagle.spec = spec
+                    run(eagle, prompts, 8, f"o{bs}-{n}-w")  # warm-up of the head's kernels
+            else:
+                target = proc
+                spec = Speculator(dataclasses.replace(args, speculative_num_draft_tokens=n),
+                                  proc.config.vocab_size)
+                spec.proposer = oracle
+            target.spec = spec
+            outs, spec_s = run(target, prompts, a.output_len, f"o{bs}-{n}-")
             t = spec.totals
             steps = t.verify_steps + t.plain_steps
             verify_ms = spec_s / max(1, steps) * 1e3
@@ -149,7 +196,8 @@ def main() -> None:
     print_table(rows, list(rows[0]))
     print("largest batch where speculation (oracle drafts) pays, by num_draft_tokens:",
           crossover)
-    write_json(a.out, {"bench": "spec_verify", "argv": sys.argv, "hardware": hardware(),
+    write_json(a.out, {"bench": "spec_verify", "algorithm": a.algorithm, "argv": sys.argv,
+                       "hardware": hardware(),
                        "shape": a.shape, "weight_bytes": weight_bytes,
                        "copy_bandwidth_bytes_s": bw, "input_len": a.input_len,
                        "output_len": a.output_len, "rows": rows, "crossover": crossover})
