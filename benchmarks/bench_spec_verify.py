@@ -85,15 +85,15 @@ def run(proc: Any, prompts: list[list[int]], output_len: int, tag: str
 def _oracle_after(drafts: Any, oracle: OracleDrafter) -> Any:
     """Speculator.drafts whose drafts, once the draft model proposed them (and paid for it),
     are replaced by the oracle's where it has them."""
-    def wrapped(batch: Any, room: int, alloc: Any) -> Any:
-        out = drafts(batch, room, alloc)
+    def wrapped(batch: Any, room: int, alloc: Any, free: Any) -> Any:
+        out = drafts(batch, room, alloc, free)
         if out is None:
             return None
         new = []
-        for r, d in zip(batch.reqs, out[0]):
+        for r, d in zip(batch.reqs, out.drafts):
             o = oracle.propose(r, len(d))
             new.append(o + d[len(o):])
-        return new, out[1]
+        return dataclasses.replace(out, drafts=new)
     return wrapped
 
 

@@ -17,7 +17,7 @@ host).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -65,6 +65,8 @@ class VerifyRows:
     row_reqs: list[Req]  # the request of each row
     offsets: np.ndarray  # [rows] the row's place within its request's rows (0 = last id)
     draft_next: np.ndarray  # [rows] int64: the draft token after the row, -1 after the last
+    # the grammar state of each row (after the drafts before it); None: no grammar in the step
+    matchers: list[Any] | None = None
 
 
 @dataclass
@@ -202,12 +204,14 @@ class Batch:
                         pos.tolist(), [1] * len(pos), slots, input_ids=input_ids,
                         sample_rows=last)
 
-    def prepare_verify(self, slots: torch.Tensor, drafts: list[list[int]]) -> StepPlan:
+    def prepare_verify(self, slots: torch.Tensor, drafts: list[list[int]],
+                       matchers: list[Any] | None = None) -> StepPlan:
         """A verification step (speculative decoding): request i computes its last sampled id
         and then drafts[i] at positions kv_lens[i] on, one DECODE row per id (each row attends
         to those before it, whose KV the step writes first), into its share of `slots`; every
         row is sampled. kv_lens[i] grows by 1 + len(drafts[i]): the loop sets it back to what
-        was accepted and frees the rest. The ids must be on the host (no step in flight)."""
+        was accepted and frees the rest. The ids must be on the host (no step in flight).
+        `matchers`: each row's grammar state (a constrained request's rows differ)."""
         input_ids: list[int] = []
         counts = np.array([1 + len(d) for d in drafts], dtype=np.int64)
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
@@ -221,7 +225,7 @@ class Batch:
             draft_next[starts[i] : starts[i] + len(d)] = d
             row_reqs.extend([r] * (1 + len(d)))
         self.kv_lens += counts
-        verify = VerifyRows(drafts, starts.tolist(), row_reqs, offsets, draft_next)
+        verify = VerifyRows(drafts, starts.tolist(), row_reqs, offsets, draft_next, matchers)
         return StepPlan(ForwardMode.DECODE, list(self.reqs), positions,
                         np.repeat(self.rows, counts), positions + 1, positions.tolist(),
                         [1] * len(positions), slots, input_ids=input_ids, verify=verify)

@@ -179,8 +179,11 @@ class StepExecutor:
         if any(r.matcher is not None for r in reqs):
             if self.masks is None:
                 self.masks = self.grammar_masks(logits.shape[-1], dev)
+            # a verification's rows: each its own state (after the drafts before it)
+            row_matchers = plan.verify.matchers if plan.verify is not None \
+                and plan.verify.matchers is not None else [r.matcher for r in rows_reqs]
             info.forbidden = merge_forbidden(info.forbidden, self.masks.batch(
-                [None if r.finished else r.matcher for r in rows_reqs]))
+                [None if r.finished else m for r, m in zip(rows_reqs, row_matchers)]))
         self.timer.mark("sample_prep")
         if plan.verify is not None:
             # each row's output position (seeded rows draw their noise from it)

@@ -305,10 +305,10 @@ class ModelProcess:
             return None  # a jump's ids go first (a plain step computes them)
         make_room(self)
         proposed = self.spec.drafts(self.batch, self.kv.room() - len(self.batch),
-                                    self.kv.alloc_slots)
+                                    self.kv.alloc_slots, self.kv.pool.free)
         if proposed is None:
             return None
-        plan = self.batch.prepare_verify(proposed[1], proposed[0])
+        plan = self.batch.prepare_verify(proposed.slots, proposed.drafts, proposed.matchers)
         step = self.executor.launch(plan)
         self.ratio.step()
         self.spec.totals.verify_steps += 1

@@ -10,9 +10,12 @@ new tokens per step, each exactly what decoding one token at a time would emit (
 distributed as it (sampling). The KV of the rows past the kept ones is freed at once (page size
 1 makes that exact: one slot per position).
 
-Who drafts (`Speculator.drafts`): requests without a grammar, penalties or a pending
-min_new_tokens (their next token depends on host state a draft cannot see), with room for at
-least one more token; the step's drafts fit the KV pool's room. While the running batch has
+Who drafts (`Speculator.drafts`): requests without penalties or a pending min_new_tokens (their
+next token depends on host state a draft cannot see), with room for at least one more token;
+the step's drafts fit the KV pool's room. A constrained request's drafts are cut before the
+first token its grammar refuses (walked on a fork of its matcher), and each of its verification
+rows is masked by the grammar's state after the drafts before the row (`Proposal.matchers`),
+so every row samples what decoding one token at a time would. While the running batch has
 `--speculative-disable-by-batch-size` requests or more, nobody drafts: a large batch is bound
 by compute, not by reading the weights, and verifying drafts would cost throughput.
 
@@ -28,8 +31,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
+
 import torch
 
+from srt.constrained.grammar import Matcher
 from srt.managers.io_struct import SpecCounts
 from srt.model_process.batch import Batch
 from srt.model_process.ngram import NgramProposer
@@ -70,6 +76,35 @@ class SpecTotals:
         }
 
 
+@dataclass
+class Proposal:
+    """A verification round's drafts (ids on the host, per request), the step's slots (one per
+    request and draft token, request by request), and with a grammar in the batch the matcher of
+    each row (None: the row is not constrained)."""
+
+    drafts: list[list[int]]
+    slots: torch.Tensor
+    matchers: list[Matcher | None] | None = None
+
+
+def grammar_rows(m: Matcher | None, draft: list[int]) -> tuple[list[int], list[Matcher | None]]:
+    """The leading drafts `m`'s grammar accepts (no stop token: the request would end there)
+    and the matcher of each of the request's verification rows: `m` itself for the first, then
+    forks that accepted the drafts before the row. `m` is not changed."""
+    if m is None:
+        return draft, [None] * (1 + len(draft))
+    rows: list[Matcher | None] = [m]
+    kept: list[int] = []
+    if draft:
+        f = m.fork()
+        for t in draft:
+            if m.is_stop_token(t) or not f.accept(t):
+                break
+            kept.append(t)
+            rows.append(f.fork())
+    return kept, rows
+
+
 def accepted_length(targets: list[int], start: int, draft: list[int]) -> int:
     """Leading draft tokens the verification kept: row start + j emitted draft[j]."""
     n = 0
@@ -103,7 +138,7 @@ class Speculator:
     @staticmethod
     def _may_draft(r: Req) -> bool:
         p = r.sampling_params
-        return (r.draft_backoff == 0 and r.matcher is None and not p.uses_penalties
+        return (r.draft_backoff == 0 and not p.uses_penalties
                 and len(r.output_ids) + r.in_flight >= p.min_new_tokens)
 
     def wants_drafts(self, reqs: list[Req]) -> bool:
@@ -116,22 +151,27 @@ class Speculator:
         return max(0, min(self.k, r.remaining_new_tokens - 1, room)) if self._may_draft(r) \
             else 0
 
-    def drafts(self, batch: Batch, room: int,
-               alloc: Callable[[int], torch.Tensor]) -> tuple[list[list[int]], torch.Tensor] | None:
-        """Draft tokens for each request of the running batch (their ids on the host), at most
-        `room` in all, and the verification step's slots from `alloc(n)`: one per request
-        and draft token. None if no request drafts (the step is a plain decode step)."""
+    def drafts(self, batch: Batch, room: int, alloc: Callable[[int], torch.Tensor],
+               free: Callable[[torch.Tensor], None]) -> Proposal | None:
+        """Draft tokens for each request of the running batch, at most `room` in all, and the
+        verification step's slots from `alloc(n)` (`free` gives back those a grammar's cut
+        left unused). None if no request drafts (the step is a plain decode step)."""
         if len(batch) >= self.disable_bs:
             return None
+        constrained = any(r.matcher is not None for r in batch.reqs)
+        rows: list[Matcher | None] = []
         if self.draft_model is None:
             drafts: list[list[int]] = []
             for r in batch.reqs:
                 k = self._count(r, room)
-                drafts.append(self.proposer.propose(r, k) if k else [])
-                room -= len(drafts[-1])
+                d, m = grammar_rows(r.matcher, self.proposer.propose(r, k) if k else [])
+                drafts.append(d)
+                rows.extend(m)
+                room -= len(d)
             if not any(drafts):
                 return None
-            return drafts, alloc(len(batch) + sum(map(len, drafts)))
+            return Proposal(drafts, alloc(len(batch) + sum(map(len, drafts))),
+                            rows if constrained else None)
         ks: list[int] = []
         for r in batch.reqs:
             ks.append(self._count(r, room))
@@ -139,10 +179,27 @@ class Speculator:
         if not any(ks):
             return None
         slots = alloc(len(batch) + sum(ks))  # the draft model writes into the step's slots
-        drafts = self.draft_model.propose(batch.rows, batch.kv_lens,
-                                          [r.fill_ids[-1] for r in batch.reqs], ks, slots,
-                                          self.vocab_size)
-        return drafts, slots
+        proposed = self.draft_model.propose(batch.rows, batch.kv_lens,
+                                            [r.fill_ids[-1] for r in batch.reqs], ks, slots,
+                                            self.vocab_size)
+        if not constrained:
+            return Proposal(proposed, slots)
+        drafts = []
+        for r, d in zip(batch.reqs, proposed):
+            kept, m = grammar_rows(r.matcher, d)
+            drafts.append(kept)
+            rows.extend(m)
+        if drafts != proposed:
+            # each request's rows start where they did: keep the slots of its kept rows
+            k = np.asarray(ks, dtype=np.int64)
+            starts = np.concatenate(([0], np.cumsum(1 + k)[:-1]))
+            keep = np.zeros(len(slots), dtype=bool)
+            for s0, d in zip(starts, drafts):
+                keep[s0 : s0 + 1 + len(d)] = True
+            mask = torch.from_numpy(keep)
+            free(slots[~mask])
+            slots = slots[mask]
+        return Proposal(drafts, slots, rows)
 
     def note_plain_step(self, reqs: list[Req]) -> None:
         """A decode step without drafts: each request took a step of one token."""

@@ -48,10 +48,10 @@ def _record(server: Any) -> list[tuple[list[list[int]], list[list[int]]]]:
     spec: Speculator = server.spec
     original = spec.drafts
 
-    def drafts(batch: Any, room: int, alloc: Any) -> Any:
-        out = original(batch, room, alloc)
+    def drafts(batch: Any, room: int, alloc: Any, free: Any) -> Any:
+        out = original(batch, room, alloc, free)
         if out is not None:
-            rounds.append(([list(r.fill_ids) for r in batch.reqs], out[0]))
+            rounds.append(([list(r.fill_ids) for r in batch.reqs], out.drafts))
         return out
 
     spec.drafts = drafts  # type: ignore[method-assign]

@@ -1,11 +1,13 @@
 """Speculative decoding (NGRAM) on a model process stepped in this process: greedy output equal
 to decoding without speculation (token ids, finish reasons, logprobs) on a mixed workload with
 copy-heavy prompts, stops, logprobs, n = 2, a regex and penalties, with the overlapped loop and
-without; equal to transformers' greedy tokens; unchanged by retraction under a small pool; the
-KV pool whole afterwards; and sampled outputs distributed as the model's (chi-square)."""
+without; constrained requests drafting within their grammars; equal to transformers' greedy
+tokens; unchanged by retraction under a small pool; the KV pool whole afterwards; and sampled
+outputs distributed as the model's (chi-square)."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from typing import Any
@@ -97,7 +99,7 @@ def test_ngram_equals_decoding_without_drafts(llama_dir: str, overlap: bool) -> 
 def test_smollm2_copy_prompts(smollm2_dir: str, smollm2_tokenizer: Any) -> None:
     """SmolLM2 on copy prompts with a stop string, a regex and a penalty in the batch: the
     tokens of decoding without drafts and of transformers, most drafts accepted; no drafts
-    under a penalty or a grammar, none past max_new_tokens."""
+    under a penalty, none past max_new_tokens."""
     from transformers import AutoModelForCausalLM
 
     tok = smollm2_tokenizer
@@ -123,8 +125,7 @@ def test_smollm2_copy_prompts(smollm2_dir: str, smollm2_tokenizer: Any) -> None:
     assert c.accepted_tokens > 0.6 * c.draft_tokens, c
     assert last["copy"].forward_passes == 1 + c.verify_ct
     assert last["stop"].finish_reason["type"] == "stop"
-    # (the regex's text may be forced whole: then it takes no decode step)
-    assert all(t.spec is None or t.spec.draft_tokens == 0 for t in (last["pen"], last["regex"]))
+    assert last["pen"].spec is None or last["pen"].spec.draft_tokens == 0
     assert last["max"].completion_tokens == 6
     assert kv_is_free(spec)
     ids = _chat(tok, COPY[0])
@@ -132,6 +133,42 @@ def test_smollm2_copy_prompts(smollm2_dir: str, smollm2_tokenizer: Any) -> None:
     with torch.no_grad():
         ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
     assert got["copy"] == ref[0, len(ids):].tolist()
+
+
+def test_constrained_requests_draft_within_their_grammar(smollm2_dir: str,
+                                                         smollm2_tokenizer: Any) -> None:
+    """Copy prompts under a JSON schema and a regex whose count changes the grammar's state at
+    every character, and a regex of fixed text, without jump-forward: drafts are cut where the
+    grammar refuses them and each verification row is masked by the state after the drafts
+    before it, so the ids and finish reasons are those of decoding without drafts; drafts of the
+    constrained requests are accepted."""
+    tok = smollm2_tokenizer
+    lower = ("the old lighthouse stood at the edge of the cliff for more than two hundred "
+             "years, and every night the keeper climbed the narrow stairs.")
+    schema = json.dumps({"type": "object", "properties": {"text": {"type": "string"}},
+                         "required": ["text"], "additionalProperties": False})
+    g = {"temperature": 0, "max_new_tokens": 40}
+    reqs = lambda: [
+        TokenizedGenerateReq("json", _chat(tok, "Return this text as JSON with the key "
+                                                f"\"text\".\n\n{TEXT}"),
+                             {**g, "max_new_tokens": 80, "json_schema": schema}),
+        TokenizedGenerateReq("lower", _chat(tok, f"Copy this text exactly.\n\n{lower}"),
+                             {**g, "regex": r"[a-z ,.]{10,70}\."}),
+        TokenizedGenerateReq("fixed", tok.encode("Answer:"), {
+            **g, "regex": r"The answer is (yes|no)\. The colour is (red|green|blue)\."}),
+    ]
+    flags = {"disable_regex_jump_forward": True}
+    want = serve(cpu_model_server(smollm2_dir, **flags), reqs())
+    spec = cpu_model_server(smollm2_dir, **flags, **SPEC)
+    outs = serve_all(spec, reqs())
+    got = {rid: ([i for t in o for i in t.new_ids], o[-1].finish_reason["type"])
+           for rid, o in outs.items()}
+    assert got == {rid: (w[0], w[1]["type"]) for rid, w in want.items()}
+    for rid in ("json", "lower"):
+        c = outs[rid][-1].spec
+        assert c is not None and c.accepted_tokens > 5, (rid, c)
+    assert got["json"][1] == "stop" and json.loads(tok.decode(got["json"][0]))["text"]
+    assert kv_is_free(spec)
 
 
 def test_retraction_keeps_the_output(llama_dir: str) -> None:

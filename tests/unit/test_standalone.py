@@ -108,7 +108,8 @@ def test_smollm2_with_a_layer_prefix_draft(smollm2_dir: str, smollm2_tokenizer: 
                                            tmp_path: Any) -> None:
     """SmolLM2 drafted by its own first 25 layers (with its norm and LM head): a copy prompt's
     greedy tokens equal transformers' and decoding without drafts, some drafts accepted; no
-    drafts under a penalty."""
+    drafts under a penalty; a regex's request drafts within its grammar (the slots of the
+    drafts it cut given back)."""
     from transformers import AutoModelForCausalLM
 
     from benchmarks.common import save_layer_prefix
@@ -119,7 +120,10 @@ def test_smollm2_with_a_layer_prefix_draft(smollm2_dir: str, smollm2_tokenizer: 
     g = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     reqs = lambda: [TokenizedGenerateReq("copy", ids, dict(g)),
                     TokenizedGenerateReq("pen", _chat(tok, COPY[1]),
-                                         {**g, "max_new_tokens": 6, "frequency_penalty": 0.3})]
+                                         {**g, "max_new_tokens": 6, "frequency_penalty": 0.3}),
+                    # lower case only: drafts of the copy are cut at its capitals and stops
+                    TokenizedGenerateReq("lower", ids, {**g, "max_new_tokens": 16,
+                                                        "regex": r"[a-z ]{1,80}"})]
     spec = cpu_model_server(smollm2_dir, **_spec(draft))
     outs = serve_all(spec, reqs())
     got = {rid: [i for t in o for i in t.new_ids] for rid, o in outs.items()}
