@@ -68,6 +68,10 @@ class VerifyRows:
     # the grammar state of each row (after the drafts before it); None: no grammar in the step
     matchers: list[Any] | None = None
 
+    def drafts_before(self) -> list[list[int]]:
+        """For each row, the draft tokens its output follows (fed in the rows before it)."""
+        return [d[:o] for d in self.drafts for o in range(1 + len(d))]
+
 
 @dataclass
 class Batch:

@@ -174,8 +174,10 @@ class StepExecutor:
         assert logits.shape[-1] == self.vocab_size
         # The sampling tensors and masks after the launch: on a GPU the host builds them while
         # the device runs the forward (every copy in them is non-blocking).
+        # a verification's rows: each follows its request's drafts before it
+        before = plan.verify.drafts_before() if plan.verify is not None else None
         info, self.sampling_rows = build_sampling_info(
-            rows_reqs, self.vocab_size, dev, self.stop_ids, self.sampling_rows)
+            rows_reqs, self.vocab_size, dev, self.stop_ids, self.sampling_rows, before)
         if any(r.matcher is not None for r in reqs):
             if self.masks is None:
                 self.masks = self.grammar_masks(logits.shape[-1], dev)

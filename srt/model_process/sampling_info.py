@@ -49,11 +49,14 @@ class SamplingRows:
 def build_sampling_info(
     reqs: list[Req], vocab_size: int, device: torch.device,
     stop_ids: Callable[[Req], set[int]], cached: SamplingRows | None = None,
+    before: list[list[int]] | None = None,
 ) -> tuple[SamplingBatchInfo, SamplingRows]:
     """Per-row sampling tensors for `reqs` (stop_ids(r): the tokens min_new_tokens keeps out of
     r's output; asked only of rows below their min_new_tokens), and the static part to pass back
     as `cached` next step: reused while the batch holds the same requests in the same order, so
-    a decode round of an unchanged batch builds and copies only what changes per step."""
+    a decode round of an unchanged batch builds and copies only what changes per step.
+    `before`: a verification step's rows, the draft tokens each row's output would follow
+    (penalties count them, min_new_tokens counts them as output)."""
     static = cached if cached is not None and cached.same_batch(reqs) else \
         SamplingRows.build(reqs, vocab_size, device)
     ps = [r.sampling_params for r in reqs]
@@ -70,11 +73,12 @@ def build_sampling_info(
         positions=[len(r.output_ids) + r.in_flight for r in reqs],
     )
     if any(p.uses_penalties for p in ps):
-        _add_penalties(info, reqs, vocab_size, device)
+        _add_penalties(info, reqs, vocab_size, device, before)
+    ahead = [0] * len(reqs) if before is None else [len(b) for b in before]
     forbid = [
         (i, sorted(ids))
         for i, r in enumerate(reqs)
-        if len(r.output_ids) + r.in_flight < r.sampling_params.min_new_tokens
+        if len(r.output_ids) + r.in_flight + ahead[i] < r.sampling_params.min_new_tokens
         and (ids := stop_ids(r))
     ]
     if forbid:
@@ -90,13 +94,14 @@ def build_sampling_info(
 
 
 def _add_penalties(info: SamplingBatchInfo, reqs: list[Req], vocab: int,
-                   device: torch.device) -> None:
+                   device: torch.device, before: list[list[int]] | None) -> None:
     ps = [r.sampling_params for r in reqs]
     counts = torch.zeros((len(reqs), vocab), dtype=torch.float32)
     seen = torch.zeros((len(reqs), vocab), dtype=torch.bool)
     for i, r in enumerate(reqs):
-        if r.output_ids:
-            out = torch.tensor(r.output_ids, dtype=torch.int64)
+        ids = r.output_ids if before is None or not before[i] else r.output_ids + before[i]
+        if ids:
+            out = torch.tensor(ids, dtype=torch.int64)
             counts[i].scatter_add_(0, out, torch.ones(len(out)))
         if ps[i].repetition_penalty != 1.0:
             seen[i, torch.tensor(r.origin_input_ids, dtype=torch.int64)] = True

@@ -10,9 +10,9 @@ new tokens per step, each exactly what decoding one token at a time would emit (
 distributed as it (sampling). The KV of the rows past the kept ones is freed at once (page size
 1 makes that exact: one slot per position).
 
-Who drafts (`Speculator.drafts`): requests without penalties or a pending min_new_tokens (their
-next token depends on host state a draft cannot see), with room for at least one more token;
-the step's drafts fit the KV pool's room. A constrained request's drafts are cut before the
+Who drafts (`Speculator.drafts`): every request with room for at least one more token; the
+step's drafts fit the KV pool's room. Each verification row's penalties and min_new_tokens
+count the drafts before it as output (`build_sampling_info`'s `before`). A constrained request's drafts are cut before the
 first token its grammar refuses (walked on a fork of its matcher), and each of its verification
 rows is masked by the grammar's state after the drafts before the row (`Proposal.matchers`),
 so every row samples what decoding one token at a time would. While the running batch has
@@ -137,9 +137,7 @@ class Speculator:
 
     @staticmethod
     def _may_draft(r: Req) -> bool:
-        p = r.sampling_params
-        return (r.draft_backoff == 0 and not p.uses_penalties
-                and len(r.output_ids) + r.in_flight >= p.min_new_tokens)
+        return r.draft_backoff == 0
 
     def wants_drafts(self, reqs: list[Req]) -> bool:
         """Some request of the batch would draft now (asked before the step in flight is read:

@@ -98,8 +98,8 @@ def test_ngram_equals_decoding_without_drafts(llama_dir: str, overlap: bool) -> 
 
 def test_smollm2_copy_prompts(smollm2_dir: str, smollm2_tokenizer: Any) -> None:
     """SmolLM2 on copy prompts with a stop string, a regex and a penalty in the batch: the
-    tokens of decoding without drafts and of transformers, most drafts accepted; no drafts
-    under a penalty, none past max_new_tokens."""
+    tokens of decoding without drafts and of transformers, most drafts accepted (also under a
+    penalty); none past max_new_tokens."""
     from transformers import AutoModelForCausalLM
 
     tok = smollm2_tokenizer
@@ -125,7 +125,8 @@ def test_smollm2_copy_prompts(smollm2_dir: str, smollm2_tokenizer: Any) -> None:
     assert c.accepted_tokens > 0.6 * c.draft_tokens, c
     assert last["copy"].forward_passes == 1 + c.verify_ct
     assert last["stop"].finish_reason["type"] == "stop"
-    assert last["pen"].spec is None or last["pen"].spec.draft_tokens == 0
+    # a penalty's rows count the drafts before them: it drafts, with the same output
+    assert last["pen"].spec is not None and last["pen"].spec.draft_tokens > 0
     assert last["max"].completion_tokens == 6
     assert kv_is_free(spec)
     ids = _chat(tok, COPY[0])
@@ -168,6 +169,34 @@ def test_constrained_requests_draft_within_their_grammar(smollm2_dir: str,
         c = outs[rid][-1].spec
         assert c is not None and c.accepted_tokens > 5, (rid, c)
     assert got["json"][1] == "stop" and json.loads(tok.decode(got["json"][0]))["text"]
+    assert kv_is_free(spec)
+
+
+def test_penalties_and_min_new_tokens_count_the_drafts(smollm2_dir: str,
+                                                        smollm2_tokenizer: Any) -> None:
+    """Copy prompts under strong penalties, and with min_new_tokens and a stop id that the
+    copy reaches: requests with penalties and a pending min_new_tokens draft, with the ids of
+    decoding without drafts (how each row counts the drafts before it is checked below)."""
+    tok = smollm2_tokenizer
+    ids = _chat(tok, COPY[0])
+    (the,) = tok.encode(" the", add_special_tokens=False)
+    g = {"temperature": 0, "max_new_tokens": 40}
+    reqs = lambda: [
+        TokenizedGenerateReq("freq", ids, {**g, "frequency_penalty": 0.8}),
+        TokenizedGenerateReq("pres", ids, {**g, "presence_penalty": 1.2}),
+        TokenizedGenerateReq("rep", ids, {**g, "repetition_penalty": 1.05}),
+        TokenizedGenerateReq("min", ids, {**g, "min_new_tokens": 12, "stop_token_ids": [the]}),
+    ]
+    want = serve(cpu_model_server(smollm2_dir), reqs())
+    spec = cpu_model_server(smollm2_dir, **SPEC)
+    outs = serve_all(spec, reqs())
+    got = {rid: ([i for t in o for i in t.new_ids], o[-1].finish_reason["type"])
+           for rid, o in outs.items()}
+    assert got == {rid: (w[0], w[1]["type"]) for rid, w in want.items()}
+    assert got["min"][1] == "stop" and len(got["min"][0]) > 12
+    for rid in ("freq", "pres", "min"):  # (the copy goes on under these penalties)
+        c = outs[rid][-1].spec
+        assert c is not None and c.accepted_tokens > 3, (rid, c)
     assert kv_is_free(spec)
 
 
@@ -238,3 +267,35 @@ def test_sampling_keeps_the_model_distribution(tmp_path: Any) -> None:
         accept_all[(a, draft_of[a])] += c
     assert chi2(accept_all) > critical
     assert kv_is_free(server)
+
+
+def test_rows_count_the_drafts_before_them() -> None:
+    """A verification's sampling rows: row j of a request counts its drafts 0..j-1 as output
+    (penalty counts, min_new_tokens' stop mask); the rows of the plan in order."""
+    from srt.model_process.batch import Batch
+    from srt.model_process.req import Req
+    from srt.model_process.sampling_info import build_sampling_info
+    from srt.sampling_params import SamplingParams
+
+    def req(rid: str, **params: Any) -> Req:
+        r = Req(rid, [5, 6, 7], SamplingParams.from_dict({"temperature": 0, **params}))
+        r.output_ids = [9]
+        r.req_pool_idx = len(rid)
+        return r
+
+    a = req("a", frequency_penalty=1.0)
+    b = req("bb", min_new_tokens=3)
+    batch = Batch.of([a, b])
+    plan = batch.prepare_verify(torch.arange(6), [[11, 11], [4]])
+    before = plan.verify.drafts_before()
+    assert before == [[], [11], [11, 11], [], [4]]
+    info, _ = build_sampling_info(plan.verify.row_reqs, 16, torch.device("cpu"),
+                                  lambda r: {2}, before=before)
+    assert info.output_counts[:3, 11].tolist() == [0.0, 1.0, 2.0]
+    assert info.output_counts[:, 9].tolist() == [1.0] * 5
+    # b has 1 output token: rows with 1 and 2 before min_new_tokens 3, not with 1 + 1 + 1
+    assert info.forbidden[3:, 2].tolist() == [True, True]
+    plan2 = Batch.of([b]).prepare_verify(torch.arange(3), [[4, 8]])
+    info2, _ = build_sampling_info(plan2.verify.row_reqs, 16, torch.device("cpu"),
+                                   lambda r: {2}, before=plan2.verify.drafts_before())
+    assert info2.forbidden[:, 2].tolist() == [True, True, False]
