@@ -199,15 +199,22 @@ class ModelRunner:
             raise ValueError(f"attention layers disagree on the softmax scale: {scales}")
         return scales.pop()
 
+    def total_weight_bytes(self) -> int:
+        """This rank's weights, a speculative draft model's included."""
+        return self.weight_bytes + (self.draft.weight_bytes if self.draft is not None else 0)
+
     def info(self) -> RunnerInfo:
+        """What this rank holds; a speculative draft's weights and KV pool are counted in."""
+        per_token = self.token_to_kv_pool.bytes_per_token + (
+            self.draft.token_to_kv_pool.bytes_per_token if self.draft is not None else 0)
         return RunnerInfo(
             device=str(self.device),
             dtype=str(self.dtype).replace("torch.", ""),
             attention_backend=self.backend_name,
             max_total_num_tokens=self.max_total_num_tokens,
             max_running_requests=self.max_running_requests,
-            kv_gb=self.max_total_num_tokens * self.token_to_kv_pool.bytes_per_token / 1e9,
-            weight_gb=self.weight_bytes / 1e9,
+            kv_gb=self.max_total_num_tokens * per_token / 1e9,
+            weight_gb=self.total_weight_bytes() / 1e9,
             quantization=self.quantization,
             kv_cache_dtype=str(self.kv_cache_dtype).replace("torch.", ""),
         )

@@ -63,7 +63,7 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> 
             "quantization": info.quantization,
             "kv_cache_dtype": info.kv_cache_dtype,
             "attention_backend": info.attention_backend,
-            "weight_bytes_per_rank": server.runner.weight_bytes,
+            "weight_bytes_per_rank": server.runner.total_weight_bytes(),
             "cuda_graph": server.runner.graph_runner is not None,
         }
 

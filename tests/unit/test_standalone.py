@@ -264,6 +264,20 @@ def test_draft_with_a_shorter_context_is_refused(target_dir: str, tmp_path: Any)
         cpu_model_server(target_dir, **_spec(short))
 
 
+def test_reported_sizes_count_the_draft(target_dir: str, small_draft_dir: str) -> None:
+    """The weights and KV pool a rank reports (the start-up log, /get_server_info) include the
+    draft model's."""
+    plain = cpu_model_server(target_dir, max_total_tokens=4096)
+    spec = cpu_model_server(target_dir, max_total_tokens=4096, **_spec(small_draft_dir))
+    draft = spec.runner.draft
+    assert draft is not None and 0 < draft.weight_bytes < plain.runner.weight_bytes
+    got, base = spec.runner.info(), plain.runner.info()
+    assert got.weight_gb == pytest.approx((plain.runner.weight_bytes + draft.weight_bytes) / 1e9)
+    per_token = (plain.runner.token_to_kv_pool.bytes_per_token
+                 + draft.token_to_kv_pool.bytes_per_token)
+    assert got.kv_gb == pytest.approx(4096 * per_token / 1e9) and got.kv_gb > base.kv_gb
+
+
 def test_draft_checked_before_any_process_starts(target_dir: str, tmp_path: Any) -> None:
     """The launcher checks the draft's heads against --tp-size as it does the target's."""
     from srt.launcher import prepare_args
