@@ -12,10 +12,11 @@ distributed as it (sampling). The KV of the rows past the kept ones is freed at 
 
 Who drafts (`Speculator.drafts`): every request with room for at least one more token; the
 step's drafts fit the KV pool's room. Each verification row's penalties and min_new_tokens
-count the drafts before it as output (`build_sampling_info`'s `before`). A constrained request's drafts are cut before the
-first token its grammar refuses (walked on a fork of its matcher), and each of its verification
-rows is masked by the grammar's state after the drafts before the row (`Proposal.matchers`),
-so every row samples what decoding one token at a time would. While the running batch has
+count the drafts before it as output (`VerifyRows.drafts_before`). A constrained request's
+drafts are cut before the first token its grammar refuses (walked on a fork of its matcher),
+and each of its verification rows is masked by the grammar's state after the drafts before
+the row (`Proposal.matchers`), so every row samples what decoding one token at a time would.
+While the running batch has
 `--speculative-disable-by-batch-size` requests or more, nobody drafts: a large batch is bound
 by compute, not by reading the weights, and verifying drafts would cost throughput.
 
@@ -32,7 +33,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-
 import torch
 
 from srt.constrained.grammar import Matcher

@@ -11,44 +11,40 @@ from typing import Any
 import pytest
 
 from tests.eagle_heads import near_oracle_head, save_eagle_head, save_echo_llama
+from tests.gpu.test_spec_gpu import _free, _server
 from tests.overlap_cases import assert_same, mixed_requests, serve
 from tests.unit.test_speculative import _greedy_only, _repeating_requests
 
 pytestmark = pytest.mark.gpu
 
 
-def _server(model_dir: str, **extra: Any) -> Any:
-    from srt.model_process.loop import ModelProcess
-    from srt.server_args import ServerArgs
-
-    args = ServerArgs(model_path=model_dir, tokenizer_path=model_dir, device="cuda",
-                      dtype="float32", attention_backend="triton", max_total_tokens=65536,
-                      cuda_graph_max_bs=32, random_seed=0, **extra)
-    return ModelProcess(args, 0)
-
-
-def _free(s: Any) -> bool:
-    return s.kv.is_free() and not s.running and not s.waiting and s.inflight is None
+def _check_equal(target: str, n: int, repeating: bool, **spec: Any) -> dict[str, Any]:
+    """Greedy ids of decoding with `spec` equal to decoding without, on `n` mixed requests
+    (and the repeating ones); the speculative totals."""
+    plain = _server(target)
+    server = _server(target, speculative_disable_by_batch_size=4096, **spec)
+    vocab = plain.config.vocab_size
+    reqs = lambda: mixed_requests(vocab, n, 5, None) + (
+        _repeating_requests(vocab, None) if repeating else [])
+    want = serve(plain, reqs())
+    r = reqs()
+    got = serve(server, r)
+    assert_same(_greedy_only(got, r), _greedy_only(want, r))
+    assert _free(plain) and _free(server)
+    return {"stats": server.stats()["speculative"], "server": server}
 
 
 @pytest.mark.parametrize("n", [10, 40])  # verification rows within / beyond 32 graph rows
 def test_matching_eagle_head_accepts_every_draft(tmp_path: Any, n: int) -> None:
     target = save_echo_llama(str(tmp_path / "t"), vocab_size=6000)
     head, _ = near_oracle_head(str(tmp_path / "h"), target, 0.0)
-    plain = _server(target)
-    spec = _server(target, speculative_algorithm="EAGLE", speculative_draft_model_path=head,
-                   speculative_num_steps=4, speculative_disable_by_batch_size=4096)
-    vocab = plain.config.vocab_size
-    reqs = lambda: mixed_requests(vocab, n, 5, None)
-    want = serve(plain, reqs())
-    r = reqs()
-    got = serve(spec, r)
-    assert_same(_greedy_only(got, r), _greedy_only(want, r))
-    s = spec.stats()["speculative"]
+    r = _check_equal(target, n, False, speculative_algorithm="EAGLE",
+                     speculative_draft_model_path=head, speculative_num_steps=4)
+    s = r["stats"]
     assert s["verify_steps"] > 0 and s["draft_tokens"] > 100, s
     assert s["accepted_tokens"] > 0.95 * s["draft_tokens"], s
-    assert spec.runner.graph_runner is not None and spec.runner.graph_runner.hidden
-    assert _free(plain) and _free(spec)
+    graphs = r["server"].runner.graph_runner
+    assert graphs is not None and graphs.hidden
 
 
 def test_random_eagle3_head_keeps_the_output(tmp_path: Any) -> None:
@@ -56,15 +52,6 @@ def test_random_eagle3_head_keeps_the_output(tmp_path: Any) -> None:
 
     target = save_random_llama(str(tmp_path / "t"), vocab_size=6000)
     head, _ = save_eagle_head(str(tmp_path / "h"), target, "EAGLE3")
-    plain = _server(target)
-    spec = _server(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
-                   speculative_disable_by_batch_size=4096)
-    vocab = plain.config.vocab_size
-    reqs = lambda: mixed_requests(vocab, 40, 5, None) + _repeating_requests(vocab, None)
-    want = serve(plain, reqs())
-    r = reqs()
-    got = serve(spec, r)
-    assert_same(_greedy_only(got, r), _greedy_only(want, r))
-    s = spec.stats()["speculative"]
+    s = _check_equal(target, 40, True, speculative_algorithm="EAGLE3",
+                     speculative_draft_model_path=head)["stats"]
     assert s["verify_steps"] > 0 and s["draft_tokens"] > 0, s
-    assert _free(plain) and _free(spec)
