@@ -8,6 +8,7 @@ over a pipe, and are stopped together.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -17,8 +18,9 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
+from srt import cpu_threads
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import ChildLink, describe_exit
 from srt.watchdog import Heartbeat, dump_stacks
@@ -56,6 +58,21 @@ class RemoteNodes(Protocol):
         """Tell them this node stops; release the link."""
 
 
+@contextlib.contextmanager
+def _environment(extra: dict[str, str]) -> Iterator[None]:
+    """`extra` in os.environ for the block (a spawned child copies it at start), then as before."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class Supervisor:
     """Owns the child processes: start, wait for ready, watch, stop.
 
@@ -74,13 +91,17 @@ class Supervisor:
         self.stopping = False
         self.all_ready = False
 
-    def start(self, name: str, target: Callable[..., None], *args: Any) -> None:
+    def start(self, name: str, target: Callable[..., None], *args: Any,
+              env: dict[str, str] | None = None) -> None:
+        """Spawn `target(*args, link)`; `env` is added to the child's environment only (it is
+        in place from the child's first instruction, before any library loads)."""
         ctx = mp.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)
         heartbeat = Heartbeat()
         link = ChildLink(os.getpid(), writer, heartbeat)
         proc = ctx.Process(target=target, args=(*args, link), name=name, daemon=False)
-        proc.start()
+        with _environment(env or {}):
+            proc.start()
         writer.close()
         self.children.append(Child(name, proc, reader, heartbeat))
 
@@ -231,7 +252,7 @@ def start_runtime(args: ServerArgs, name: str = "launcher process") -> Runtime:
             supervisor.add_remote(NodeHub(args, ports.node_link))
         for rank in args.local_tp_ranks:
             supervisor.start(f"model process (TP rank {rank})", run_model_process, args, ports,
-                             rank)
+                             rank, env=cpu_threads.child_env())
         supervisor.start("router process", run_router_process, args, ports)
         supervisor.start("detokenizer process", run_detokenizer_process, args, ports)
         infos = supervisor.wait_ready()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from srt import cpu_threads
 from srt.launcher import Failure, Supervisor, prepare_args
 from srt.managers import node_link
 from srt.managers.io_struct import (NodeFailure, NodeHeartbeat, NodeHello, NodeReady,
@@ -149,7 +150,7 @@ def run_node(args: ServerArgs) -> int:
     try:
         for rank in args.local_tp_ranks:
             supervisor.start(f"model process (TP rank {rank})", run_model_process, args, ports,
-                             rank)
+                             rank, env=cpu_threads.child_env())
         supervisor.wait_ready()
     except RuntimeError as e:
         logger.error("%s", e)

@@ -77,7 +77,7 @@ class ModelProcess:
         self.overlap = not args.disable_overlap_schedule
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
         self.mixed = args.enable_mixed_chunk
-        self._decode_turn = False  # without mixing: decode once before the next prefill chunk
+        self._decode_turn = False  # running requests decode once before the next fill
         self._emit: Callable[[BatchTokenIdOut], None] | None = None  # this round's
         self.ratio = TokenRatio.from_conservativeness(args.schedule_conservativeness)
         self.rng = random.Random(args.random_seed)
@@ -138,10 +138,10 @@ class ModelProcess:
         self._decode_turn = False
         fill_tokens = sum(r.extend_input_len for r in fill)
         if fill:
-            self._fill(fill, outs)
-            # Without mixing, the running requests take a step before the next chunk.
-            self._decode_turn = (not self.mixed and bool(self.batch)
-                                 and any(r.prefilling for r in self.waiting))
+            # Unless the fill carried a token of each running request (a mixed step), they
+            # take a step before the next fill, of a chunk or of new arrivals: no stream waits
+            # for two fills in a row.
+            self._decode_turn = not self._fill(fill, outs) and bool(self.batch)
         elif self.batch:
             for i in range(1 if self.waiting else DECODE_STEPS_PER_ROUND):
                 if i:
@@ -193,11 +193,12 @@ class ModelProcess:
 
     # ------------------------------------------------------------------ fill
 
-    def _fill(self, reqs: list[Req], outs: list[TokenOut]) -> None:
+    def _fill(self, reqs: list[Req], outs: list[TokenOut]) -> bool:
         """Launch the fill batch, read the decode step in flight meanwhile, then the fill's
         results; the fill's running requests join the batch, a chunked one waits for its next
         chunk. A mixed step (--enable-mixed-chunk) first reads the step in flight (the running
-        requests' ids go in from the host) and computes a token of every running request too."""
+        requests' ids go in from the host) and computes a token of every running request too.
+        True if it was a mixed step."""
         self.counters.timer.fill_begin()
         fill = Batch(reqs)
         n_fill = sum(r.extend_input_len for r in reqs)
@@ -231,6 +232,7 @@ class ModelProcess:
         self.batch.merge(fill)
         self.counters.timer.fill_end(len(reqs), len(plan.positions))
         self.executor.break_chain()
+        return mix
 
     # ------------------------------------------------------------------ decode
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from srt import cpu_threads
 from srt.layers import parallel_state
 from srt.layers.attention import create_step_backends, resolve_step_backends
 from srt.layers.forward_batch import ForwardBatch, forward_context
@@ -87,6 +88,12 @@ class ModelRunner:
                 )
             self.device = torch.device("cuda", tp_rank % args.ranks_per_node)
             torch.cuda.set_device(self.device)
+        elif (threads := cpu_threads.threads_per_rank(args.ranks_per_node)) is not None:
+            torch.set_num_threads(threads)  # the node's cores shared among its ranks
+        if self.device.type == "cpu" and tp_rank == args.local_tp_ranks[0]:
+            logger.info("CPU compute threads per rank: %d (OMP_NUM_THREADS overrides), "
+                        "GOMP_SPINCOUNT %s", torch.get_num_threads(),
+                        os.environ.get("GOMP_SPINCOUNT", "libgomp's default"))
         parallel_state.init_tp_group(
             tp_rank, args.tp_size, self.device, dist_init_port,
             args.dist_init[0] if args.nnodes > 1 else "127.0.0.1")
