@@ -83,6 +83,12 @@ class ServerArgs:
         "prompt is computed in chunks over "
         "several fills (its KV kept between them), so running requests keep decoding between "
         "(or, with --enable-mixed-chunk, inside) those fills. -1 turns chunking off.")
+    max_fill_tokens_while_decoding: int = _f(
+        -1, "While requests are decoding, a fill computes at most this many new tokens (a "
+        "longer prompt is chunked to it, also with chunking off), so a decode step waits for "
+        "at most a fill of this size; with none decoding, --chunked-prefill-size applies. "
+        "Smaller bounds the streams' longest gap and costs long-prompt throughput. -1: no "
+        "separate cap.")
     enable_mixed_chunk: bool = _f(
         False, "Run the running requests' next decode tokens inside each fill step (one forward "
         "carries a prefill chunk and a token of every running request). Off: a decode step "
@@ -301,6 +307,8 @@ class ServerArgs:
             raise ValueError("--cuda-graph-max-bs must be >= 1")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size must be >= 1, or -1 (no chunking)")
+        if self.max_fill_tokens_while_decoding == 0 or self.max_fill_tokens_while_decoding < -1:
+            raise ValueError("--max-fill-tokens-while-decoding must be >= 1, or -1 (no cap)")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
         if self.jump_forward_min_tokens < 1:

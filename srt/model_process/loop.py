@@ -76,6 +76,8 @@ class ModelProcess:
         self.inflight: InFlight | None = None  # the last launched decode step, not yet read
         self.overlap = not args.disable_overlap_schedule
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
+        cap = args.max_fill_tokens_while_decoding
+        self.decoding_chunk_size = min(cap, self.chunk_size or cap) if cap > 0 else self.chunk_size
         self.mixed = args.enable_mixed_chunk
         self._decode_turn = False  # running requests decode once before the next fill
         self._emit: Callable[[BatchTokenIdOut], None] | None = None  # this round's
@@ -133,8 +135,10 @@ class ModelProcess:
             outs.append(self.output.token_out(r))
         fill = []
         if self.waiting and not self._decode_turn:
+            # While requests decode, a fill is held to --max-fill-tokens-while-decoding.
+            chunk = self.decoding_chunk_size if self.batch else self.chunk_size
             fill = select_fill(self.waiting, self.running, self.kv, self.args, self.rng,
-                               self.ratio.value, prefix_limit, self.chunk_size)
+                               self.ratio.value, prefix_limit, chunk)
         self._decode_turn = False
         fill_tokens = sum(r.extend_input_len for r in fill)
         if fill:

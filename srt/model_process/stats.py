@@ -79,6 +79,7 @@ def stats(p: ModelProcess) -> dict[str, Any]:
         "slow_rounds": c.slow_rounds.snapshot(),
         "prefill_chunks": c.prefill_chunks,
         "chunked_prefill_size": p.chunk_size or -1,
+        "max_fill_tokens_while_decoding": p.args.max_fill_tokens_while_decoding,
         "overlap_schedule": p.overlap,
         "max_running_requests": info.max_running_requests,
         "device": info.device,

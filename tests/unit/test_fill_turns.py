@@ -80,3 +80,41 @@ def test_running_requests_step_between_fills(model: str, mixed: bool) -> None:
     want = {rid: [i for t in outs for i in t.new_ids] for rid, outs in serve_all(
         cpu_model_server(model, chunked_prefill_size=CHUNK), streams + arrivals).items()}
     assert ids == want
+
+
+def test_fills_while_decoding_are_capped(model: str) -> None:
+    """--max-fill-tokens-while-decoding (chunking off otherwise): a prompt that arrives with
+    nothing running is filled whole; while requests decode, every fill computes at most the
+    cap, and the outputs stay those of the plain server."""
+    rng = random.Random(11)
+    first = [_req("first", 3 * CHUNK, 30, rng)] + [_req(f"s{i}", 4, 40, rng) for i in range(2)]
+    later = [_req("long", 5 * CHUNK, 2, rng)] + [_req(f"a{i}", 6, 3, rng) for i in range(6)]
+    server = cpu_model_server(model, chunked_prefill_size=-1,
+                              max_fill_tokens_while_decoding=CHUNK)
+    fills = server.counters.timer.fills
+    ids: dict[str, list[int]] = {}
+    sizes: list[tuple[int, int]] = []  # (running requests before the round, tokens filled)
+    inp = StepInput(reqs=first)
+    for _ in range(500):
+        running, tokens = len(server.running), fills.tokens
+        out = server.step(inp)
+        for t in out.token_out.outs if out.token_out is not None else []:
+            ids.setdefault(t.rid, []).extend(t.new_ids)
+        if fills.tokens > tokens:
+            sizes.append((running, fills.tokens - tokens))
+        if not (out.has_work or server.running or server.waiting):
+            break
+        inp = StepInput(reqs=later[:2] if len(sizes) >= 1 and later else [])
+        del later[:2]
+    assert kv_is_free(server)
+    assert sizes[0] == (0, 3 * CHUNK + 8), sizes  # the first round fills whole
+    while_running = [n for running, n in sizes if running]
+    assert len(while_running) >= 5 and max(while_running) <= CHUNK, sizes  # "long" chunked
+    assert sum(while_running) >= 5 * CHUNK, sizes
+
+    rng = random.Random(11)
+    first = [_req("first", 3 * CHUNK, 30, rng)] + [_req(f"s{i}", 4, 40, rng) for i in range(2)]
+    later = [_req("long", 5 * CHUNK, 2, rng)] + [_req(f"a{i}", 6, 3, rng) for i in range(6)]
+    want = {rid: [i for t in outs for i in t.new_ids] for rid, outs in serve_all(
+        cpu_model_server(model, chunked_prefill_size=-1), first + later).items()}
+    assert ids == want
