@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 # Freed chunks shorter than this are merged with the chunk before them (if that one is short too),
@@ -24,15 +25,38 @@ class ReqToTokenPool:
     attention kernels read it) with a host mirror, `host`, that every write goes to as well, so
     the host never reads back from the device what it wrote itself (on the CPU they are one
     tensor). Writes go through `write_spans`, or `host` plus a device-side write by the caller.
+
+    Scratch rows (`scratch`, rows size .. size + scratch - 1) are never handed out: a step
+    that needs KV lists of its own for a while (the branches of a draft tree) writes them with
+    `fork_rows` and reads them through its rows' indices; their content lasts until the next
+    step that forks.
     """
 
-    def __init__(self, size: int, context_len: int, device: torch.device | str) -> None:
+    def __init__(self, size: int, context_len: int, device: torch.device | str,
+                 scratch: int = 0) -> None:
         self.size = size
         self.context_len = context_len
-        self.req_to_token = torch.zeros((size, context_len), dtype=torch.int32, device=device)
+        self.scratch = range(size, size + scratch)
+        self.req_to_token = torch.zeros((size + scratch, context_len), dtype=torch.int32,
+                                        device=device)
         self.host = (self.req_to_token if self.req_to_token.device.type == "cpu"
-                     else torch.zeros((size, context_len), dtype=torch.int32))
+                     else torch.zeros((size + scratch, context_len), dtype=torch.int32))
         self._free_rows: list[int] = list(range(size))
+
+    def fork_rows(self, dst: np.ndarray, src: np.ndarray, prefix: int,
+                  cells: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+        """Scratch row dst[i] takes columns 0 .. prefix - 1 of row src[i] (what lies past a
+        row's own length is copied too, and never read), then each cell (row, column, slot)
+        of `cells` is written. Device copies only, queued in order; the host mirror of scratch
+        rows is not kept."""
+        if len(dst) == 0:
+            return
+        dev = self.req_to_token.device
+        both = torch.from_numpy(np.stack((dst, src))).to(dev, non_blocking=True)
+        self.req_to_token[both[0], :prefix] = self.req_to_token[both[1], :prefix]
+        if cells is not None and len(cells[0]):
+            c = torch.from_numpy(np.stack(cells)).to(dev, non_blocking=True)
+            self.req_to_token[c[0], c[1]] = c[2].to(torch.int32)
 
     def write_spans(self, spans: list[tuple[int, int, torch.Tensor]]) -> None:
         """For each (row, start, slots): columns start .. start + len(slots) - 1 of row hold

@@ -168,11 +168,13 @@ class ServerArgs:
         None, "Draft tokens per verification of a draft model (STANDALONE, EAGLE, EAGLE3; "
         "default 3).")
     speculative_eagle_topk: int | None = _f(
-        None, "Branching of a draft tree; only 1 (a chain) is supported.")
+        None, "EAGLE / EAGLE3: tokens the head proposes after each draft node; above 1 the "
+        "drafts form a tree (the best --speculative-num-draft-tokens - 1 nodes by the head's "
+        "path probability), verified in one step. Default 1 (a chain).")
     speculative_num_draft_tokens: int | None = _f(
         None, "Tokens verified per step and request, the last accepted one included (so at "
         "most this minus one draft tokens). Default: 5 for NGRAM, --speculative-num-steps + 1 "
-        "for the draft models.")
+        "for the draft models with top-k 1, steps x top-k + 1 (at most 64) for a tree.")
     speculative_accept_threshold_single: float = _f(
         1.0, "SGLang's relaxed acceptance of a draft token; only 1.0 (exact: the output "
         "distribution is the model's) is supported.")
@@ -366,10 +368,21 @@ class ServerArgs:
         """Draft tokens per request and verification (0: speculation off)."""
         if self.speculative_algorithm is None:
             return 0
+        topk = self.speculative_eagle_topk or 1
+        if topk > 1:  # the nodes of a tree
+            steps = self.speculative_num_steps or 3
+            return (self.speculative_num_draft_tokens or min(64, steps * topk + 1)) - 1
         if self.speculative_num_steps is not None:
             return self.speculative_num_steps
         default = 5 if self.speculative_algorithm == "NGRAM" else 4
         return (self.speculative_num_draft_tokens or default) - 1
+
+    @property
+    def speculative_steps(self) -> int:
+        """Draft steps of a draft model per verification (the depth of its drafts)."""
+        if (self.speculative_eagle_topk or 1) > 1:
+            return self.speculative_num_steps or 3
+        return self.speculative_draft_tokens
 
     def _validate_speculative(self) -> None:
         algo = self.speculative_algorithm
@@ -417,12 +430,26 @@ class ServerArgs:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"--speculative-draft-model-path {path!r} is not a model directory "
                              "(no config.json)")
-        if self.speculative_eagle_topk not in (None, 1):
-            raise ValueError(f"--speculative-eagle-topk must be 1 with {algo}: srt drafts one "
-                             "chain of tokens (tree drafts are not implemented)")
+        topk = self.speculative_eagle_topk
+        if topk is not None and topk != 1:
+            if algo == "STANDALONE":
+                raise ValueError("--speculative-eagle-topk must be 1 with STANDALONE: its draft "
+                                 "model proposes one chain of tokens (trees are drafted by "
+                                 "EAGLE / EAGLE3 heads)")
+            if not 1 <= topk <= 16:
+                raise ValueError("--speculative-eagle-topk must be in 1..16")
         steps, n = self.speculative_num_steps, self.speculative_num_draft_tokens
         if steps is not None and not 1 <= steps <= 63:
             raise ValueError("--speculative-num-steps must be in 1..63")
+        if topk is not None and topk > 1:
+            s = self.speculative_steps
+            most = topk + (s - 1) * topk * topk  # candidates the head's steps produce
+            if not 1 <= self.speculative_draft_tokens <= most:
+                raise ValueError(f"--speculative-num-draft-tokens must be in 2..{most + 1} with "
+                                 f"--speculative-num-steps {s} and --speculative-eagle-topk "
+                                 f"{topk} (the last accepted token plus at most {most} draft "
+                                 "nodes)")
+            return
         if steps is not None and n is not None and n != steps + 1:
             raise ValueError(f"--speculative-num-draft-tokens ({n}) must be "
                              f"--speculative-num-steps + 1 ({steps + 1}) with top-k 1: each "

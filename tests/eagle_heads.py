@@ -171,6 +171,104 @@ def reference_drafts(target: Any, head: nn.Module, kind: str, context: list[int]
     return drafts
 
 
+def reference_tree(target: Any, head: nn.Module, kind: str, context: list[int], topk: int,
+                   steps: int, nodes: int,
+                   aux_layers: tuple[int, ...] = ()) -> tuple[set[tuple[int, ...]], float]:
+    """The draft tree a head proposes after `context` with top-k `topk`, `steps` draft steps
+    and `nodes` nodes, as the set of its root-to-node token paths; and the smallest relative
+    gap between the scores on the two sides of any choice made (each row's k-th / k+1-th
+    token, each step's k-th / k+1-th leaf, the nodes-th / nodes+1-th candidate): where it is
+    tiny, float rounding may choose the other way."""
+    ids = torch.tensor([context[:-1]])
+    out = target.model(ids, output_hidden_states=True)
+    if kind == "EAGLE":
+        feats = out.last_hidden_state[0]
+    else:
+        feats = head.fc(torch.cat([out.hidden_states[i][0] for i in aux_layers], dim=-1))
+    embed = target.model.embed_tokens
+    vocab = target.config.vocab_size
+    gaps: list[float] = []
+
+    def gap(sorted_scores: torch.Tensor, k: int) -> None:
+        if sorted_scores.numel() > k:
+            a, b = float(sorted_scores[k - 1]), float(sorted_scores[k])
+            gaps.append((a - b) / max(a, 1e-30))
+
+    def expand(path: list[int], path_feats: list[torch.Tensor]) -> tuple[Any, Any, Any]:
+        tokens = torch.tensor(context[1:] + path)
+        f = torch.cat([feats] + [x[None] for x in path_feats])
+        feature, to_logits = head.features(embed(tokens), f)
+        if kind == "EAGLE":
+            probs = torch.softmax(target.lm_head(to_logits[-1])[:vocab], -1)
+        else:
+            probs = torch.softmax(head.lm_head(to_logits[-1]), -1)
+        top = probs.sort(descending=True)
+        gap(top.values, topk)
+        p, idx = top.values[:topk], top.indices[:topk]
+        if kind != "EAGLE":
+            idx = (idx + head.d2t[idx]).clamp(max=vocab - 1)
+        return idx.tolist(), p, feature[-1]
+
+    # candidates: (score, path, path features); leaves carry the features to expand them
+    ids0, p0, f0 = expand([], [])
+    cands = [(float(p0[i]), [ids0[i]]) for i in range(topk)]
+    leaves = [(p0[i], [ids0[i]], [f0]) for i in range(topk)]
+    for j in range(1, steps):
+        new = []
+        for score, path, pf in leaves:
+            kids, p, h = expand(path, pf)
+            for t, q in zip(kids, p):
+                new.append((score * q, path + [t], pf + [h]))
+        cands += [(float(sc), path) for sc, path, _ in new]
+        if j < steps - 1:
+            order = sorted(range(len(new)), key=lambda i: -float(new[i][0]))
+            gap(torch.tensor([float(new[i][0]) for i in order]), topk)
+            leaves = [new[i] for i in order[:topk]]
+    order = sorted(range(len(cands)), key=lambda i: (-cands[i][0], i))
+    gap(torch.tensor([cands[i][0] for i in order]), nodes)
+    return {tuple(cands[i][1]) for i in order[:nodes]}, min(gaps, default=1.0)
+
+
+def tree_paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
+    """A tree's root-to-node token paths (nodes after their parents)."""
+    paths: list[tuple[int, ...]] = []
+    for t, p in zip(tokens, parents):
+        paths.append((paths[p] if p >= 0 else ()) + (t,))
+    return set(paths)
+
+
+def peaked_pair(path: str, kind: str, n: int = 6, scale: float = 6.0) -> tuple[str, str]:
+    """A random Llama target (under path/target) whose LM head rows of n ids (at 300 or
+    above) are `scale` times longer, so it almost always emits one of them, which one
+    depending on the whole context; and a random head (under path/head) whose tokens are
+    drawn from the same ids (an EAGLE head reads the target's LM head; an EAGLE3 head's own
+    rows of those ids are lengthened too). Its top-k then holds the target's token often
+    enough, and often off its first choice."""
+    from safetensors.torch import load_file
+
+    from tests.random_models import save_random_llama
+
+    target = save_random_llama(os.path.join(path, "target"))
+    head, ref = save_eagle_head(os.path.join(path, "head"), target, kind)
+    if kind == "EAGLE":
+        ids = torch.arange(300, 300 + n)
+    else:
+        hot = torch.arange(ref.d2t.numel()) + ref.d2t
+        draft_ids = torch.nonzero(hot >= 300).flatten()[:n]
+        ids = hot[draft_ids]
+        f = os.path.join(head, "model.safetensors")
+        state = load_file(f)
+        state["lm_head.weight"][draft_ids] *= scale
+        save_file(state, f)
+    files = [os.path.join(target, x) for x in os.listdir(target) if x.endswith(".safetensors")]
+    for f in files:
+        state = load_file(f)
+        if "lm_head.weight" in state:
+            state["lm_head.weight"][ids] *= scale
+            save_file(state, f, metadata={"format": "pt"})
+    return target, head
+
+
 def save_echo_llama(path: str, **overrides: Any) -> str:
     """A random Llama whose next token is a fixed function f of its last token: every layer's
     output projections are zero and the final norm's weight is one, so its hidden state is its

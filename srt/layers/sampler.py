@@ -107,40 +107,52 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo,
 
 
 def _uniform(info: SamplingBatchInfo, n: int, device: torch.device,
-             generator: torch.Generator | None) -> torch.Tensor:
-    """One U[0, 1) draw per row; a seeded row's from (seed, position), like its noise."""
+             generator: torch.Generator | None, salt: int = 0) -> torch.Tensor:
+    """One U[0, 1) draw per row; a seeded row's from (seed, position, salt), like its noise."""
     u = torch.rand(n, device=device, generator=generator)
     for row, seed in enumerate(info.seeds):
         if seed is None:
             continue
         g = torch.Generator(device=device)
         g.manual_seed((seed * 0xD6E8FEB86659FD93 + info.positions[row] * 0x94D049BB133111EB
-                       + 1) & ((1 << 63) - 1))
+                       + 1 + salt * 0xA0761D6478BD642F) & ((1 << 63) - 1))
         u[row] = torch.rand(1, device=device, generator=g)[0]
     return u
 
 
-def verify_sample(logits: torch.Tensor, info: SamplingBatchInfo, draft_next: torch.Tensor,
+def verify_sample(logits: torch.Tensor, info: SamplingBatchInfo, children: torch.Tensor,
                   generator: torch.Generator | None = None) -> torch.Tensor:
-    """The token the model emits at each row of a verification step, given the draft token
-    that follows the row (draft_next[r], -1 where no draft follows: the row is sampled as by
-    `sample`). A greedy row emits its argmax: the draft is accepted iff it equals it. A sampled
-    row accepts the draft d with probability p(d) and otherwise draws from p without d
-    (renormalized), p being the row's filtered distribution; a draft that is a fixed token
-    (q(d) = 1) makes this the exact rejection rule, so every emitted token is distributed as p.
-    A row emitting its draft token means the draft was accepted there."""
+    """The token the model emits at each row of a verification step, given the draft tokens
+    that follow the row (children[r, :], distinct, -1 padded; a row without any is sampled as
+    by `sample`; a 1-d tensor is one child per row). A greedy row emits its argmax: a draft is
+    accepted iff it equals it. A sampled row tries its children in order: child c is accepted
+    with probability p'(c), p' being the row's filtered distribution p with the children tried
+    before it removed and renormalized; if none is, the row draws from p without all of them.
+    Each draft being a fixed token (q(c) = 1), this is exact rejection applied child after
+    child, so every emitted token is distributed as p. A row emitting a child's token means
+    that child was accepted there."""
+    if children.dim() == 1:
+        children = children.unsqueeze(1)
     logits = _masked_logits(logits, info)
     greedy = logits.argmax(dim=-1)
     if info.all_greedy:
         return greedy
     probs = _filtered_probs(logits, info)
-    probs = probs / probs.sum(dim=-1, keepdim=True)  # (filters leave it unnormalized)
-    has = draft_next >= 0
-    d = draft_next.clamp(min=0).unsqueeze(1)
-    p_d = probs.gather(1, d).squeeze(1) * has
-    accept = _uniform(info, probs.shape[0], probs.device, generator) < p_d
-    residual = torch.where(has.unsqueeze(1), probs.scatter(1, d, 0.0), probs)
+    residual = probs / probs.sum(dim=-1, keepdim=True)  # (filters leave it unnormalized)
+    out = torch.full_like(greedy, -1)
+    for c in range(children.shape[1]):
+        d = children[:, c]
+        has = (d >= 0) & (out < 0)
+        idx = d.clamp(min=0).unsqueeze(1)
+        left = residual.sum(dim=-1)
+        p_d = residual.gather(1, idx).squeeze(1)
+        u = _uniform(info, probs.shape[0], probs.device, generator, salt=c)
+        # (p_d >= left: the children hold all that is left, which rounding may leave short)
+        take = has & ((u * left < p_d) | (p_d >= left))
+        out = torch.where(take, d, out)
+        residual = torch.where((has & ~take).unsqueeze(1), residual.scatter(1, idx, 0.0),
+                               residual)
     noise = _exponential_noise(info, probs.shape, probs.device, generator)
     drawn = (residual / noise).argmax(dim=-1)  # argmax of p / Exp(1): a draw from p, unscaled
-    out = torch.where(accept, draft_next, drawn)
+    out = torch.where(out >= 0, out, drawn)
     return torch.where(info.temperatures == 0, greedy, out)

@@ -57,20 +57,71 @@ class StepPlan:
 
 @dataclass
 class VerifyRows:
-    """The rows of a verification step: request i feeds its last sampled id and then drafts[i],
-    one DECODE row each from row starts[i] on; every row's logits are sampled."""
+    """The rows of a verification step. Request i's drafts form a tree: node j holds token
+    drafts[i][j] and follows node parents[i][j] (-1: the request's last sampled id, the root;
+    a parent comes before its children, and siblings hold distinct tokens; a chain is
+    parents [-1, 0, 1, ...]). The request feeds its root and then every node, one DECODE row
+    each from row starts[i] on (node j at row starts[i] + 1 + j, position kv_len + its depth);
+    every row's logits are sampled given its children's tokens.
+
+    Each row attends to its own path: the nodes of the main path (the root's first child, its
+    first child, ...) sit in the request's req_to_token row, as a chain's drafts do; every other
+    node reads a scratch row (`fork`: the request's row up to kv_len, then its ancestors' slots,
+    then its own), so no tree mask is needed."""
 
     drafts: list[list[int]]
+    parents: list[list[int]]
     starts: list[int]
     row_reqs: list[Req]  # the request of each row
-    offsets: np.ndarray  # [rows] the row's place within its request's rows (0 = last id)
-    draft_next: np.ndarray  # [rows] int64: the draft token after the row, -1 after the last
+    offsets: np.ndarray  # [rows] the row's depth (0: the root): output tokens before it
+    children: np.ndarray  # [rows, C] int64: the tokens of the row's children, -1 padded
     # the grammar state of each row (after the drafts before it); None: no grammar in the step
     matchers: list[Any] | None = None
+    # scratch rows to write before the step: (dst, src, prefix, (row, column, slot) cells)
+    fork: tuple[np.ndarray, np.ndarray, int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None \
+        = None
+
+    @property
+    def draft_next(self) -> np.ndarray:
+        """[rows] the first child's token after each row (-1: none): a chain's next draft."""
+        return self.children[:, 0]
+
+    def path(self, i: int, node: int) -> list[int]:
+        """Request i's nodes from the root's child down to `node` (-1: [])."""
+        par = self.parents[i]
+        out: list[int] = []
+        while node >= 0:
+            out.append(node)
+            node = par[node]
+        return out[::-1]
 
     def drafts_before(self) -> list[list[int]]:
-        """For each row, the draft tokens its output follows (fed in the rows before it)."""
-        return [d[:o] for d in self.drafts for o in range(1 + len(d))]
+        """For each row, the draft tokens its output follows (the path fed up to the row)."""
+        out: list[list[int]] = []
+        for i, d in enumerate(self.drafts):
+            out.append([])
+            out.extend([d[n] for n in self.path(i, j)] for j in range(len(d)))
+        return out
+
+    def accepted(self, ids: list[int], i: int) -> list[int]:
+        """Request i's kept nodes, root's child first: from the root, each row's emitted token
+        leads to the child that holds it, until a row emits a token no child holds."""
+        d, par, start = self.drafts[i], self.parents[i], self.starts[i]
+        kept: list[int] = []
+        node = -1
+        while True:
+            t = ids[start + 1 + node]
+            nxt = next((j for j in range(node + 1, len(d)) if par[j] == node and d[j] == t),
+                       None)
+            if nxt is None:
+                return kept
+            kept.append(nxt)
+            node = nxt
+
+
+def chain_parents(n: int) -> list[int]:
+    """The parents of a chain of n drafts."""
+    return list(range(-1, n - 1))
 
 
 @dataclass
@@ -209,27 +260,68 @@ class Batch:
                         sample_rows=last)
 
     def prepare_verify(self, slots: torch.Tensor, drafts: list[list[int]],
-                       matchers: list[Any] | None = None) -> StepPlan:
+                       matchers: list[Any] | None = None,
+                       parents: list[list[int]] | None = None,
+                       scratch: range | None = None) -> StepPlan:
         """A verification step (speculative decoding): request i computes its last sampled id
-        and then drafts[i] at positions kv_lens[i] on, one DECODE row per id (each row attends
-        to those before it, whose KV the step writes first), into its share of `slots`; every
-        row is sampled. kv_lens[i] grows by 1 + len(drafts[i]): the loop sets it back to what
-        was accepted and frees the rest. The ids must be on the host (no step in flight).
-        `matchers`: each row's grammar state (a constrained request's rows differ)."""
+        and then the nodes of drafts[i] (a tree by `parents`, None: chains; see `VerifyRows`),
+        one DECODE row each at position kv_lens[i] + depth, into its share of `slots` (root,
+        then nodes in order); every row is sampled. Nodes off the main path read scratch rows
+        taken from `scratch` in order. kv_lens[i] grows by 1 + len(drafts[i]): the loop sets it
+        back to what was accepted and frees the rest. The ids must be on the host (no step in
+        flight). `matchers`: each row's grammar state (a constrained request's rows differ)."""
+        if parents is None:
+            parents = [chain_parents(len(d)) for d in drafts]
         input_ids: list[int] = []
         counts = np.array([1 + len(d) for d in drafts], dtype=np.int64)
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
-        positions = np.repeat(self.kv_lens, counts) + offsets
-        draft_next = np.full(len(positions), -1, dtype=np.int64)
+        n_rows = int(counts.sum())
+        depth = np.zeros(n_rows, dtype=np.int64)
+        rows = np.repeat(self.rows, counts)
+        kids: list[list[int]] = [[] for _ in range(n_rows)]
         row_reqs: list[Req] = []
-        for i, (r, d) in enumerate(zip(self.reqs, drafts)):
+        slot_list = slots.tolist()
+        next_scratch = 0
+        dst: list[int] = []
+        src: list[int] = []
+        cells: list[tuple[int, int, int]] = []
+        for i, (r, d, par) in enumerate(zip(self.reqs, drafts, parents)):
+            s0, base = int(starts[i]), int(self.kv_lens[i])
             input_ids.append(r.fill_ids[-1])
             input_ids.extend(d)
-            draft_next[starts[i] : starts[i] + len(d)] = d
             row_reqs.extend([r] * (1 + len(d)))
+            main = -1  # the last node of the main path so far
+            for j, p in enumerate(par):
+                assert -1 <= p < j, (p, j)
+                row = s0 + 1 + j
+                depth[row] = depth[s0 + 1 + p] + 1
+                kids[s0 + 1 + p].append(d[j])
+                if p == main:
+                    main = j
+                    continue
+                assert scratch is not None and next_scratch < len(scratch), "no scratch row"
+                rows[row] = scratch[next_scratch]
+                next_scratch += 1
+                dst.append(int(rows[row]))
+                src.append(int(self.rows[i]))
+                a = p
+                while a >= -1:  # its ancestors' slots, down to the root's
+                    cells.append((int(rows[row]), base + int(depth[s0 + 1 + a]),
+                                  slot_list[s0 + 1 + a]))
+                    a = par[a] if a >= 0 else -2
+        width = max(1, max(map(len, kids)))
+        children = np.full((n_rows, width), -1, dtype=np.int64)
+        for row, k in enumerate(kids):
+            children[row, : len(k)] = k
+        positions = np.repeat(self.kv_lens, counts) + depth
+        fork = None
+        if dst:
+            c = np.array(cells, dtype=np.int64).T
+            fork = (np.array(dst, dtype=np.int64), np.array(src, dtype=np.int64),
+                    int(self.kv_lens.max()), (c[0], c[1], c[2]))
         self.kv_lens += counts
-        verify = VerifyRows(drafts, starts.tolist(), row_reqs, offsets, draft_next, matchers)
-        return StepPlan(ForwardMode.DECODE, list(self.reqs), positions,
-                        np.repeat(self.rows, counts), positions + 1, positions.tolist(),
-                        [1] * len(positions), slots, input_ids=input_ids, verify=verify)
+        verify = VerifyRows(drafts, parents, starts.tolist(), row_reqs, depth, children,
+                            matchers, fork)
+        return StepPlan(ForwardMode.DECODE, list(self.reqs), positions, rows, positions + 1,
+                        positions.tolist(), [1] * len(positions), slots, input_ids=input_ids,
+                        verify=verify)

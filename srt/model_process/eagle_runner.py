@@ -22,6 +22,7 @@ it, which may differ from this request's (a worse draft there, never a wrong out
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import numpy as np
 import torch
@@ -55,7 +56,11 @@ class EagleRunner(DraftRunner):
             else ()
         if head.hot_ids is not None:
             head.hot_ids = head.hot_ids.to(self.device)
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.topk = target.args.speculative_eagle_topk or 1
+        self.steps = target.args.speculative_steps
+        # the head's next tokens of a verification's rows, their probabilities (top-k > 1),
+        # features: kept until the host knows which rows were kept
+        self._pending: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
 
     def _model_class(self) -> type:
         arch = self.config.architecture
@@ -68,7 +73,11 @@ class EagleRunner(DraftRunner):
     def init_pool_and_backend(self) -> None:
         super().init_pool_and_backend()
         n = self.req_to_token_pool.size
-        self.first_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        shape = (n,) if self.topk == 1 else (n, self.topk)
+        self.first_ids = torch.zeros(shape, dtype=torch.int64, device=self.device)
+        # top-k > 1: the head's probabilities of first_ids (a tree's first scores)
+        self.first_p = torch.zeros(shape, dtype=torch.float32, device=self.device) \
+            if self.topk > 1 else None
         self.feats = torch.zeros(n, self.config.hidden_size, dtype=self.dtype,
                                  device=self.device)
 
@@ -78,6 +87,26 @@ class EagleRunner(DraftRunner):
         if hot is None:
             return logits[:, :vocab_size].argmax(dim=-1)
         return hot.index_select(0, logits.argmax(dim=-1)).clamp_(max=vocab_size - 1)
+
+    def _draft_topk(self, logits: torch.Tensor, vocab_size: int,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's k most likely tokens of each row (target ids) and their probabilities
+        under its softmax, most likely first."""
+        hot = self.model.hot_ids
+        if hot is None:
+            logits = logits[:, :vocab_size]
+        p, idx = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        if hot is not None:
+            idx = hot[idx].clamp_(max=vocab_size - 1)
+        return idx, p
+
+    def _heads_next(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a request keeps from the head's output at its last row: its next token (top-k
+        1), or its k next tokens and their probabilities."""
+        vocab = self.target.config.vocab_size
+        if self.topk == 1:
+            return self._draft_ids(logits, vocab), None
+        return self._draft_topk(logits, vocab, self.topk)
 
     def _next_ids(self, fb: ForwardBatch, plan: StepPlan, ids: torch.Tensor,
                   select: torch.Tensor | None) -> torch.Tensor:
@@ -107,24 +136,33 @@ class EagleRunner(DraftRunner):
         hidden = self.target.model.spec_hidden
         assert hidden is not None and hidden.shape[0] == nxt.shape[0]
         logits = self.forward(self._on_draft(fb, nxt, hidden))
-        tok = self._draft_ids(logits, self.target.config.vocab_size)
+        tok, p = self._heads_next(logits)
         feat = self.model.feature
         if plan.verify is not None:
-            self._pending = (tok, feat)
+            self._pending = (tok, p, feat)
             return
         if select is not None:
             tok, feat = tok.index_select(0, select), feat.index_select(0, select)
+            p = p.index_select(0, select) if p is not None else None
+        self._keep(req_rows, tok, p, feat)
+
+    def _keep(self, req_rows: torch.Tensor, tok: torch.Tensor, p: torch.Tensor | None,
+              feat: torch.Tensor) -> None:
         self.first_ids.index_copy_(0, req_rows, tok)
+        if p is not None:
+            assert self.first_p is not None
+            self.first_p.index_copy_(0, req_rows, p)
         self.feats.index_copy_(0, req_rows, feat)
 
     def accept(self, step_rows: list[int], req_rows: list[int]) -> None:
         assert self._pending is not None
-        tok, feat = self._pending
+        tok, p, feat = self._pending
         self._pending = None
         t = torch.tensor([step_rows, req_rows], dtype=torch.int64).to(self.device,
                                                                      non_blocking=True)
-        self.first_ids.index_copy_(0, t[1], tok.index_select(0, t[0]))
-        self.feats.index_copy_(0, t[1], feat.index_select(0, t[0]))
+        self._keep(t[1], tok.index_select(0, t[0]),
+                   p.index_select(0, t[0]) if p is not None else None,
+                   feat.index_select(0, t[0]))
 
     @torch.inference_mode()
     def propose(self, rows: np.ndarray, kv_lens: np.ndarray, last_ids: list[int],
@@ -171,3 +209,99 @@ class EagleRunner(DraftRunner):
                     drafts[i].append(host[n])
                 n += 1
         return drafts
+
+    @torch.inference_mode()
+    def propose_tree(self, rows: np.ndarray, kv_lens: np.ndarray, ks: list[int],
+                     slots: torch.Tensor, vocab_size: int,
+                     alloc: Callable[[int], torch.Tensor],
+                     free: Callable[[torch.Tensor], None]) -> tuple[list[list[int]],
+                                                                   list[list[int]]]:
+        """Top-k > 1: a tree of at most ks[i] nodes for each request, as `VerifyRows` reads
+        it (tokens, parents). The candidates: the k tokens the head gave at the request's last
+        row, scored by their probability; then each of --speculative-num-steps - 1 head steps
+        feeds the k best-scored candidates of the step before (the leaves) at once, each with
+        its parent's feature, and every leaf's k next tokens become candidates scored by
+        leaf score x probability. The tree is the ks[i] best-scored candidates (a child never
+        scores above its parent and comes after it, so ties go to the parent: the tree is
+        closed under parents). Each step's rows read scratch rows (the request's row, then the
+        head's KV of the leaf's ancestors in slots from `alloc`, freed at the end); `slots`,
+        the verification step's, are not written here. One copy to the host at the end."""
+        K, S = self.topk, self.steps
+        k = np.asarray(ks, dtype=np.int64)
+        active = np.flatnonzero(k > 0)
+        B = len(active)
+        dev = self.device
+        pool = self.req_to_token_pool
+        r = rows[active]
+        base = kv_lens[active]
+        r_dev = torch.from_numpy(r).to(dev, non_blocking=True)
+        assert self.first_p is not None
+        leaf_tok = self.first_ids[r_dev]  # [B, K]
+        leaf_score = self.first_p[r_dev]
+        leaf_id = torch.arange(K, device=dev).expand(B, K)  # candidate numbers
+        feat = self.feats[r_dev].unsqueeze(1).expand(B, K, -1)
+        toks, scores = [leaf_tok], [leaf_score]
+        parents = [torch.full((B, K), -1, dtype=torch.int64, device=dev)]
+        if S > 1:
+            temp = alloc(B * K * (S - 1))
+            scr = np.asarray(pool.scratch[: B * K], dtype=np.int64)
+            pool.fork_rows(scr, np.repeat(r, K), int(base.max()))
+            scr_dev = torch.from_numpy(scr).to(dev, non_blocking=True).view(B, K)
+            base_dev = torch.from_numpy(base).to(dev, non_blocking=True)
+            path = torch.empty((B, K, 0), dtype=torch.int64, device=dev)
+            for j in range(1, S):
+                loc = temp[(j - 1) * B * K : j * B * K]
+                positions = np.repeat(base + j - 1, K)
+                t = self.inputs.build(None, positions, loc, scr, positions + 1)
+                full = torch.cat((path, t.out_cache_loc.view(B, K, 1)), dim=2)  # [B, K, j]
+                cols = base_dev.view(B, 1, 1) + torch.arange(j, device=dev)
+                pool.req_to_token[scr_dev.unsqueeze(2).expand(B, K, j), cols.expand(B, K, j)] \
+                    = full.to(torch.int32)
+                fb = ForwardBatch(
+                    forward_mode=ForwardMode.DECODE, batch_size=B * K,
+                    input_ids=leaf_tok.reshape(-1), positions=t.positions,
+                    out_cache_loc=t.out_cache_loc, req_pool_indices=t.req_pool_indices,
+                    seq_lens=t.seq_lens, seq_lens_cpu=(positions + 1).tolist(),
+                    prefix_lens_cpu=positions.tolist(), extend_lens_cpu=[1] * (B * K),
+                    req_to_token_pool=pool, token_to_kv_pool=self.token_to_kv_pool,
+                    attn_backend=self.attn_backend, spec_hidden=feat.reshape(B * K, -1))
+                ids, p = self._draft_topk(self.forward(fb), vocab_size, K)
+                h = self.model.feature.view(B, K, -1)
+                score = (leaf_score.unsqueeze(2) * p.view(B, K, K)).view(B, K * K)
+                ids = ids.view(B, K * K)
+                toks.append(ids)
+                scores.append(score)
+                parents.append(leaf_id.unsqueeze(2).expand(B, K, K).reshape(B, K * K))
+                if j == S - 1:
+                    break
+                sel = score.topk(K, dim=-1).indices  # the next leaves
+                up = sel // K  # their parents among this step's leaves
+                leaf_tok, leaf_score = ids.gather(1, sel), score.gather(1, sel)
+                leaf_id = K + (j - 1) * K * K + sel
+                feat = h.gather(1, up.unsqueeze(2).expand(B, K, h.shape[-1]))
+                path = full.gather(1, up.unsqueeze(2).expand(B, K, j))
+            free(temp)
+        # every rank must draft the same trees (they shape the verification step)
+        ti = parallel_state.broadcast_from_first(
+            torch.cat((torch.cat(toks, dim=1), torch.cat(parents, dim=1)), dim=1)).cpu().numpy()
+        sc = parallel_state.broadcast_from_first(torch.cat(scores, dim=1)).cpu().numpy()
+        m = sc.shape[1]
+        drafts: list[list[int]] = [[] for _ in ks]
+        tree_parents: list[list[int]] = [[] for _ in ks]
+        for b, i in enumerate(active):
+            tok, par = ti[b, :m], ti[b, m:]
+            best = np.lexsort((np.arange(m), -sc[b]))[: k[i]]
+            node: dict[int, int] = {}
+            for c in np.sort(best):
+                up = int(par[c])
+                if up >= 0 and up not in node:
+                    continue  # (its parent was dropped below)
+                pn = node[up] if up >= 0 else -1
+                t = int(tok[c])
+                if any(drafts[i][j] == t and tree_parents[i][j] == pn
+                       for j in range(len(drafts[i]))):
+                    continue  # a sibling holds it (two head ids clamped to one)
+                node[int(c)] = len(drafts[i])
+                drafts[i].append(t)
+                tree_parents[i].append(pn)
+        return drafts, tree_parents

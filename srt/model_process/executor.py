@@ -125,6 +125,8 @@ class StepExecutor:
         input_ids = t.input_ids
         if plan.input_ids is None:  # each row's last sampled id, never seen by the host
             input_ids = self.last_ids.index_select(0, t.req_pool_indices)
+        if plan.verify is not None and plan.verify.fork is not None:
+            self.req_pool.fork_rows(*plan.verify.fork)  # a draft tree's branches (scratch rows)
         if plan.mode == ForwardMode.DECODE:  # the new tokens' slots: req_to_token[row, position]
             self.req_pool.req_to_token[t.req_pool_indices, t.positions] = \
                 t.out_cache_loc.to(torch.int32)
@@ -190,8 +192,8 @@ class StepExecutor:
         if plan.verify is not None:
             # each row's output position (seeded rows draw their noise from it)
             info.positions = [p + int(o) for p, o in zip(info.positions, plan.verify.offsets)]
-            draft_next = torch.from_numpy(plan.verify.draft_next).to(dev, non_blocking=True)
-            ids = verify_sample(logits, info, draft_next, self.runner.sampler_generator)
+            children = torch.from_numpy(plan.verify.children).to(dev, non_blocking=True)
+            ids = verify_sample(logits, info, children, self.runner.sampler_generator)
         else:
             ids = sample(logits, info, self.runner.sampler_generator)
         # Rank 0 samples for all: ranks hold bitwise-equal logits and generators, but one

@@ -32,13 +32,14 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from srt.heap import HeapTrimmer
 from srt.managers.io_struct import (AbortReq, BatchTokenIdOut, FlushCacheReq, GetStatsReq,
                                     StatsOut, StepInput, StepOutput, TokenizedGenerateReq,
                                     TokenOut)
 from srt.model_config import ModelConfig
-from srt.model_process.batch import Batch, StepPlan
+from srt.model_process.batch import Batch, StepPlan, chain_parents
 from srt.model_process.constraints import ConstraintManager
 from srt.model_process.executor import InFlight, StepExecutor
 from srt.model_process.intake import flush_cache, new_req
@@ -48,7 +49,7 @@ from srt.model_process.model_runner import ModelRunner
 from srt.model_process.output import OutputProcessor
 from srt.model_process.policy import TokenRatio, select_fill
 from srt.model_process.retraction import make_room
-from srt.model_process.speculative import Speculator, accepted_length
+from srt.model_process.speculative import Speculator
 from srt.model_process.radix_cache import RadixCache
 from srt.model_process.req import FinishReason, Req, ReqStatus
 from srt.model_process.stats import Counters, maybe_log, stats
@@ -314,7 +315,8 @@ class ModelProcess:
                                     self.kv.alloc_slots, self.kv.pool.free)
         if proposed is None:
             return None
-        plan = self.batch.prepare_verify(proposed.slots, proposed.drafts, proposed.matchers)
+        plan = self.batch.prepare_verify(proposed.slots, proposed.drafts, proposed.matchers,
+                                         proposed.parents, self.kv.req_pool.scratch)
         step = self.executor.launch(plan)
         self.ratio.step()
         self.spec.totals.verify_steps += 1
@@ -324,7 +326,8 @@ class ModelProcess:
 
     def _apply_verify(self, step: InFlight, outs: list[TokenOut]) -> None:
         """Each request keeps its accepted drafts and the token after them (fewer where it
-        finishes first); the KV of the rest of its rows is freed."""
+        finishes first): a tree's accepted path moves into the request's row where it left
+        the main path; the KV of every other row is freed."""
         assert self.spec is not None
         res = step.wait()
         self.counters.timer.mark("wait")
@@ -333,21 +336,33 @@ class ModelProcess:
         assert v is not None
         live: list[Req] = []
         kept: list[int] = []  # each request's last kept row of the step
-        for r, start, draft in zip(plan.reqs, v.starts, v.drafts):
+        spans: list[tuple[int, int, torch.Tensor]] = []
+        gone: list[torch.Tensor] = []
+        for i, (r, start, draft) in enumerate(zip(plan.reqs, v.starts, v.drafts)):
             r.in_flight -= 1
-            written = r.kv_len + 1 + len(draft)  # positions this step wrote KV for, exclusive
-            n = accepted_length(res.ids, start, draft)
-            kept.append(start + n)
+            base = r.kv_len  # the root's position
+            path = v.accepted(res.ids, i)
             emitted = 0
-            for j in range(n + 1):
-                self.output.append(r, res.ids[start + j], res.output_logprobs[start + j],
-                                   dead_end=False)
+            for node in [-1] + path:
+                self.output.append(r, res.ids[start + 1 + node],
+                                   res.output_logprobs[start + 1 + node], dead_end=False)
                 emitted += 1
                 if r.finished:
                     break
-            self.spec.note(r, len(draft), min(n, emitted), emitted)
-            self.kv.free_tail(r, r.kv_len, written)  # rows past the kept tokens
+            path = path[: emitted - 1]  # the nodes whose KV the request keeps
+            kept.append(start + 1 + (path[-1] if path else -1))
+            self.spec.note(r, len(draft), len(path), emitted)
+            mine = plan.out_cache_loc[start : start + 1 + len(draft)]
+            keep = np.zeros(1 + len(draft), dtype=bool)
+            keep[0] = True
+            keep[[1 + n for n in path]] = True
+            if path and v.parents[i] != chain_parents(len(draft)):  # (a chain's path is there)
+                spans.append((r.req_pool_idx, base + 1, mine[[1 + n for n in path]]))
+            gone.append(mine[torch.from_numpy(~keep)])
             live.append(r)
+        self.kv.req_pool.write_spans(spans)
+        if gone:
+            self.kv.pool.free(torch.cat(gone))
         if self.runner.draft is not None:
             self.runner.draft.accept(kept, [r.req_pool_idx for r in plan.reqs])
         self.output.finish_dead_ends(live)

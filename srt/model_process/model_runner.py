@@ -127,9 +127,15 @@ class ModelRunner:
             kv_values_per_token * self.kv_cache_dtype.itemsize,
             kv_values_per_token * self.dtype.itemsize)
         self.max_running_requests = args.max_running_requests or min(512, self.max_total_num_tokens)
+        # A draft tree's branches read scratch rows (VerifyRows): up to max(top-k, nodes) per
+        # request of a batch that drafts.
+        topk = args.speculative_eagle_topk or 1
+        scratch = 0 if topk == 1 else max(topk, args.speculative_draft_tokens) * min(
+            self.max_running_requests, args.speculative_disable_by_batch_size)
+        # (a tree's rows reach up to its depth past the context's last position)
+        width = config.context_len + 8 + (args.speculative_steps if topk > 1 else 0)
         self.req_to_token_pool = ReqToTokenPool(
-            self.max_running_requests, config.context_len + 8, self.device
-        )
+            self.max_running_requests, width, self.device, scratch)
         self.init_pool_and_backend()
         if self.draft is not None:
             self.draft.init_pool_and_backend()

@@ -8,14 +8,17 @@ draft token after it (`srt.layers.sampler.verify_sample`). A request keeps its d
 first row that did not emit the next draft token, plus that row's token: one to len(draft) + 1
 new tokens per step, each exactly what decoding one token at a time would emit (greedy), or
 distributed as it (sampling). The KV of the rows past the kept ones is freed at once (page size
-1 makes that exact: one slot per position).
+1 makes that exact: one slot per position). An EAGLE head with top-k > 1 drafts a tree: each
+row is then sampled given all its children's tokens, the request keeps the path of children
+its rows emitted, and the rows off that path are freed (`VerifyRows`).
 
 Who drafts (`Speculator.drafts`): every request with room for at least one more token; the
 step's drafts fit the KV pool's room. Each verification row's penalties and min_new_tokens
 count the drafts before it as output (`VerifyRows.drafts_before`). A constrained request's
 drafts are cut before the first token its grammar refuses (walked on a fork of its matcher),
 and each of its verification rows is masked by the grammar's state after the drafts before
-the row (`Proposal.matchers`), so every row samples what decoding one token at a time would.
+the row (`Proposal.matchers`), so every row samples what decoding one token at a time would;
+of a tree it verifies the main path only.
 While the running batch has
 `--speculative-disable-by-batch-size` requests or more, nobody drafts: a large batch is bound
 by compute, not by reading the weights, and verifying drafts would cost throughput.
@@ -78,13 +81,26 @@ class SpecTotals:
 
 @dataclass
 class Proposal:
-    """A verification round's drafts (ids on the host, per request), the step's slots (one per
-    request and draft token, request by request), and with a grammar in the batch the matcher of
-    each row (None: the row is not constrained)."""
+    """A verification round's drafts (ids on the host, per request; a tree by `parents`, as
+    `VerifyRows` reads them, None: chains), the step's slots (one per request and draft token,
+    request by request, each request's root first), and with a grammar in the batch the matcher
+    of each row (None: the row is not constrained)."""
 
     drafts: list[list[int]]
     slots: torch.Tensor
     matchers: list[Matcher | None] | None = None
+    parents: list[list[int]] | None = None
+
+
+def main_path(parents: list[int]) -> list[int]:
+    """The nodes of a tree's main path: the root's first child, its first child, ..."""
+    path: list[int] = []
+    node = -1
+    for j, p in enumerate(parents):
+        if p == node:
+            path.append(j)
+            node = j
+    return path
 
 
 def grammar_rows(m: Matcher | None, draft: list[int]) -> tuple[list[int], list[Matcher | None]]:
@@ -105,14 +121,6 @@ def grammar_rows(m: Matcher | None, draft: list[int]) -> tuple[list[int], list[M
     return kept, rows
 
 
-def accepted_length(targets: list[int], start: int, draft: list[int]) -> int:
-    """Leading draft tokens the verification kept: row start + j emitted draft[j]."""
-    n = 0
-    while n < len(draft) and targets[start + n] == draft[n]:
-        n += 1
-    return n
-
-
 class Speculator:
     def __init__(self, args: ServerArgs, vocab_size: int,
                  draft_model: DraftRunner | None = None) -> None:
@@ -121,6 +129,9 @@ class Speculator:
         self.vocab_size = vocab_size
         self.algorithm = args.speculative_algorithm or ""
         self.k = args.speculative_draft_tokens
+        self.topk = args.speculative_eagle_topk or 1
+        # a tree's head steps write their KV into slots of their own, freed after drafting
+        self.tree_slots = (args.speculative_steps - 1) * self.topk if self.topk > 1 else 0
         self.disable_bs = args.speculative_disable_by_batch_size
         self.proposer = NgramProposer(args.speculative_ngram_min_match_window_size,
                                       args.speculative_ngram_max_match_window_size)
@@ -172,32 +183,48 @@ class Speculator:
                             rows if constrained else None)
         ks: list[int] = []
         for r in batch.reqs:
-            ks.append(self._count(r, room))
-            room -= ks[-1]
+            k = self._count(r, room - self.tree_slots)
+            ks.append(k)
+            room -= k + (self.tree_slots if k else 0)
         if not any(ks):
             return None
         slots = alloc(len(batch) + sum(ks))  # the draft model writes into the step's slots
-        proposed = self.draft_model.propose(batch.rows, batch.kv_lens,
-                                            [r.fill_ids[-1] for r in batch.reqs], ks, slots,
-                                            self.vocab_size)
-        if not constrained:
+        parents: list[list[int]] | None = None
+        if self.topk > 1:
+            proposed, parents = self.draft_model.propose_tree(
+                batch.rows, batch.kv_lens, ks, slots, self.vocab_size, alloc, free)
+        else:
+            proposed = self.draft_model.propose(batch.rows, batch.kv_lens,
+                                                [r.fill_ids[-1] for r in batch.reqs], ks,
+                                                slots, self.vocab_size)
+        if not constrained and parents is None:
             return Proposal(proposed, slots)
+        # A constrained request verifies its main path, cut before the first token its grammar
+        # refuses; the slots of the nodes a request does not verify are given back (a tree may
+        # also come out smaller than asked for).
         drafts = []
-        for r, d in zip(batch.reqs, proposed):
-            kept, m = grammar_rows(r.matcher, d)
-            drafts.append(kept)
-            rows.extend(m)
-        if drafts != proposed:
-            # each request's rows start where they did: keep the slots of its kept rows
-            k = np.asarray(ks, dtype=np.int64)
-            starts = np.concatenate(([0], np.cumsum(1 + k)[:-1]))
-            keep = np.zeros(len(slots), dtype=bool)
-            for s0, d in zip(starts, drafts):
-                keep[s0 : s0 + 1 + len(d)] = True
+        keep = np.zeros(len(slots), dtype=bool)
+        start = 0
+        for i, (r, d) in enumerate(zip(batch.reqs, proposed)):
+            nodes = list(range(len(d)))
+            if r.matcher is None:
+                rows.extend([None] * (1 + len(d)))
+            else:
+                path = main_path(parents[i]) if parents is not None else nodes
+                kept, m = grammar_rows(r.matcher, [d[j] for j in path])
+                nodes = path[: len(kept)]
+                rows.extend(m)
+                if parents is not None:
+                    parents[i] = list(range(-1, len(nodes) - 1))  # now a chain
+            drafts.append([d[j] for j in nodes])
+            keep[start] = True
+            keep[[start + 1 + j for j in nodes]] = True
+            start += 1 + ks[i]
+        if not keep.all():
             mask = torch.from_numpy(keep)
             free(slots[~mask])
             slots = slots[mask]
-        return Proposal(drafts, slots, rows)
+        return Proposal(drafts, slots, rows if constrained else None, parents)
 
     def note_plain_step(self, reqs: list[Req]) -> None:
         """A decode step without drafts: each request took a step of one token."""

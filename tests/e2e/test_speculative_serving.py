@@ -1,5 +1,5 @@
-"""Speculative decoding through the real server: NGRAM, STANDALONE and EAGLE3 at --tp-size 2
-(gloo) give transformers' greedy tokens and logprobs on a random Llama with prompts that repeat
+"""Speculative decoding through the real server: NGRAM, STANDALONE and EAGLE3 (chains and
+trees) at --tp-size 2 (gloo) give transformers' greedy tokens and logprobs on a random Llama with prompts that repeat
 (most drafts accepted); meta_info, /get_server_info and /metrics report it; the OpenAI client
 works unchanged; combinations srt does not support are refused at start-up."""
 
@@ -108,9 +108,13 @@ def test_standalone_tp2_equals_transformers(llama_dir: str, tmp_path: Any) -> No
         srv.stop()
 
 
-def test_eagle3_tp2_equals_transformers(llama_dir: str, tmp_path: Any) -> None:
-    """A random EAGLE3 head (its own LM head over 300 ids, d2t) at --tp-size 2: transformers'
-    greedy ids and logprobs with drafts verified every step."""
+@pytest.mark.parametrize("tree", [[], ["--speculative-eagle-topk", "3",
+                                       "--speculative-num-draft-tokens", "8"]],
+                         ids=["chain", "tree"])
+def test_eagle3_tp2_equals_transformers(llama_dir: str, tmp_path: Any, tree: list[str]) -> None:
+    """A random EAGLE3 head (its own LM head over 300 ids, d2t) at --tp-size 2, drafting
+    chains or trees of top-k 3 (7 nodes, in scratch rows on both ranks): transformers' greedy
+    ids and logprobs with drafts verified every step."""
     from tests.eagle_heads import save_eagle_head
 
     head, _ = save_eagle_head(str(tmp_path / "head"), llama_dir, "EAGLE3",
@@ -119,12 +123,12 @@ def test_eagle3_tp2_equals_transformers(llama_dir: str, tmp_path: Any) -> None:
     srv = ServerProcess(["--model-path", llama_dir, "--tp-size", "2", "--device", "cpu",
                          "--dtype", "float32", "--random-seed", "0", "--max-total-tokens",
                          "2048", "--speculative-algorithm", "EAGLE3",
-                         "--speculative-draft-model-path", head]).start()
+                         "--speculative-draft-model-path", head, *tree]).start()
     try:
         meta = _greedy_meta(srv, want_ids, want_lps)
         assert all(m["spec_verify_ct"] > 0 and m["spec_draft_token_num"] > 0 for m in meta), meta
         info = srv.server_info()["speculative"]
-        assert info["algorithm"] == "EAGLE3" and info["num_draft_tokens"] == 4, info
+        assert info["algorithm"] == "EAGLE3" and info["num_draft_tokens"] == (8 if tree else 4)
         srv.assert_kv_invariant()
     finally:
         srv.stop()

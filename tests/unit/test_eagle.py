@@ -17,8 +17,11 @@ from srt.managers.io_struct import TokenizedGenerateReq
 from srt.model_process.speculative import Speculator
 from srt.models.llama_eagle import eagle3_aux_layers
 from srt.server_args import ServerArgs
-from tests.eagle_heads import (near_oracle_head, reference_drafts, save_eagle_head,
-                                save_echo_llama)
+from srt.model_process.batch import VerifyRows
+from srt.model_process.speculative import main_path
+from tests.eagle_heads import (near_oracle_head, reference_drafts, reference_tree,
+                                peaked_pair, save_eagle_head, save_echo_llama,
+                                tree_paths)
 from tests.model_process import cpu_model_server, kv_is_free, serve_all
 from tests.unit.test_standalone import _check_equal
 
@@ -41,17 +44,18 @@ def echo_target_dir(tmp_path_factory: Any) -> str:
     return save_echo_llama(str(tmp_path_factory.mktemp("eagle_echo")))
 
 
-def _record(server: Any) -> list[tuple[list[list[int]], list[list[int]]]]:
-    """Each verification round's contexts (the requests' tokens, the last not yet computed)
-    and drafts, recorded around the real Speculator."""
-    rounds: list[tuple[list[list[int]], list[list[int]]]] = []
+def _record(server: Any) -> list[tuple[list[list[int]], list[list[int]], Any]]:
+    """Each verification round's contexts (the requests' tokens, the last not yet computed),
+    drafts and tree parents (None: chains), recorded around the real Speculator."""
+    rounds: list[tuple[list[list[int]], list[list[int]], Any]] = []
     spec: Speculator = server.spec
     original = spec.drafts
 
     def drafts(batch: Any, room: int, alloc: Any, free: Any) -> Any:
         out = original(batch, room, alloc, free)
         if out is not None:
-            rounds.append(([list(r.fill_ids) for r in batch.reqs], out.drafts))
+            rounds.append(([list(r.fill_ids) for r in batch.reqs], out.drafts,
+                           [list(p) for p in out.parents] if out.parents else None))
         return out
 
     spec.drafts = drafts  # type: ignore[method-assign]
@@ -78,7 +82,7 @@ def _check_drafts(target_dir: str, head_dir: str, ref: Any, kind: str,
     assert kv_is_free(server)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     checked = 0
-    for contexts, drafts in rounds:
+    for contexts, drafts, _ in rounds:
         for ctx, d in zip(contexts, drafts):
             if d:
                 assert d == reference_drafts(target, ref, kind, ctx, len(d), AUX), (ctx, d)
@@ -147,6 +151,16 @@ def test_start_up_refusals(target_dir: str, tmp_path: Any) -> None:
     eagle3, _ = save_eagle_head(str(tmp_path / "e3"), target_dir, "EAGLE3")
     with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
         ServerArgs(model_path=target_dir, speculative_algorithm="EAGLE").validate()
+    with pytest.raises(ValueError, match=r"must be in 2\.\.7 with --speculative-num-steps 2"):
+        ServerArgs(model_path=target_dir, **_spec(
+            "EAGLE", eagle, speculative_eagle_topk=2, speculative_num_steps=2,
+            speculative_num_draft_tokens=8)).validate()
+    with pytest.raises(ValueError, match="--speculative-eagle-topk must be in 1..16"):
+        ServerArgs(model_path=target_dir, **_spec("EAGLE", eagle,
+                                                  speculative_eagle_topk=17)).validate()
+    tree = ServerArgs(model_path=target_dir, **_spec("EAGLE", eagle, speculative_eagle_topk=4))
+    tree.validate()
+    assert (tree.speculative_steps, tree.speculative_draft_tokens) == (3, 12)  # the defaults
     with pytest.raises(ValueError, match="is not an EAGLE3 head"):
         cpu_model_server(target_dir, **_spec("EAGLE3", eagle))
     with pytest.raises(ValueError, match="is not an EAGLE head"):
@@ -158,3 +172,81 @@ def test_start_up_refusals(target_dir: str, tmp_path: Any) -> None:
     other, _ = save_eagle_head(str(tmp_path / "o"), wide, "EAGLE")
     with pytest.raises(ValueError, match="hidden size"):
         cpu_model_server(target_dir, **_spec("EAGLE", other))
+
+
+# ---------------------------------------------------------------- tree drafts (top-k > 1)
+
+TREE = {"speculative_eagle_topk": 3, "speculative_num_steps": 3,
+        "speculative_num_draft_tokens": 8}
+
+
+@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
+def test_tree_drafts_equal_a_reference_head(target_dir: str, tmp_path: Any, kind: str) -> None:
+    """Top-k 3, 3 steps, 7 nodes: every tree srt proposes holds the paths of the reference's
+    tree after the same context (the k best next tokens of each leaf, the k best-scored leaves
+    of each step, the best-scored candidates), except where the reference's own choice is
+    within rounding (a relative score gap under 1e-4 at some choice)."""
+    from transformers import AutoModelForCausalLM
+
+    extra = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}} \
+        if kind == "EAGLE3" else {}
+    head, ref = save_eagle_head(str(tmp_path / "head"), target_dir, kind, **extra)
+    server = cpu_model_server(target_dir, **_spec(kind, head, **TREE))
+    rounds = _record(server)
+    reqs = [TokenizedGenerateReq(f"r{i}", p, {"temperature": 0, "max_new_tokens": 12 + 3 * i,
+                                              "ignore_eos": True})
+            for i, p in enumerate(_prompts(3, 9))]
+    serve_all(server, reqs)
+    assert kv_is_free(server)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    checked = near_ties = branched = 0
+    for contexts, drafts, parents in rounds:
+        assert parents is not None
+        for ctx, d, par in zip(contexts, drafts, parents):
+            if not d:
+                continue
+            with torch.no_grad():
+                want, gap = reference_tree(target, ref, kind, ctx, 3, 3, len(d), AUX)
+            if gap < 1e-4:
+                near_ties += 1
+                continue
+            assert tree_paths(d, par) == want, (ctx, d, par)
+            branched += len(main_path(par)) < len(d)
+            checked += 1
+    assert checked > 10 and near_ties < checked and branched > checked // 2, \
+        (checked, near_ties, branched)
+
+
+def _branch_counter(monkeypatch: Any) -> dict[str, int]:
+    """Counts the requests' accepted paths of verification steps, and those that left the
+    main path (observed on the real VerifyRows)."""
+    seen = {"paths": 0, "off_main": 0}
+    original = VerifyRows.accepted
+
+    def accepted(self: VerifyRows, ids: list[int], i: int) -> list[int]:
+        path = original(self, ids, i)
+        if path:
+            seen["paths"] += 1
+            seen["off_main"] += path != main_path(self.parents[i])[: len(path)]
+        return path
+
+    monkeypatch.setattr(VerifyRows, "accepted", accepted)
+    return seen
+
+
+@pytest.mark.parametrize("kind,flags", [
+    ("EAGLE", {}),
+    ("EAGLE", {"disable_overlap_schedule": True}),
+    ("EAGLE3", {"chunked_prefill_size": 16, "enable_mixed_chunk": True}),
+])
+def test_tree_greedy_output_unchanged(tmp_path: Any, monkeypatch: Any, kind: str,
+                                      flags: dict[str, Any]) -> None:
+    """A random target that emits one of 6 ids, which one depending on the context through
+    attention, and a random head drafting among them (`peaked_pair`): its top-3 trees often
+    hold the target's token off the main path, so accepted paths leave it, and the KV of those rows must move into the request's row for
+    what follows to equal decoding without drafts (ids, finish reasons, logprobs; stops,
+    n = 2, penalties, min_new_tokens, sampled rows' lengths)."""
+    target, head = peaked_pair(str(tmp_path), kind)
+    seen = _branch_counter(monkeypatch)
+    r = _check_equal(target, head, kind, **flags, **TREE)
+    assert r["stats"]["verify_steps"] > 0 and seen["off_main"] >= 5, (r, seen)

@@ -83,3 +83,36 @@ def test_seeded_rows_repeat() -> None:
     a = verify_sample(logits, info, draft, torch.Generator().manual_seed(10))
     b = verify_sample(logits, info, draft, torch.Generator().manual_seed(11))
     assert a[:3].tolist() == b[:3].tolist()  # seeded rows ignore the shared generator
+
+
+def test_several_children_keep_the_model_distribution() -> None:
+    """A row of a draft tree tries its children in order: each emitted token, a child's or
+    not, is distributed as p, and each child is emitted with its probability; a sampler that
+    took the first child whenever it could fails the same test."""
+    n = 40_000
+    g = torch.Generator().manual_seed(5)
+    row = torch.randn(V, generator=g) * 1.5
+    top = row.argsort(descending=True)
+    for kids in ([int(top[0]), int(top[1]), int(top[2])], [int(top[-1]), int(top[3])],
+                 [int(top[1]), -1, -1]):
+        info = _info(n, 0.9)
+        p = torch.softmax(row / 0.9, -1)
+        children = torch.tensor(kids).expand(n, len(kids)).clone()
+        out = verify_sample(row.expand(n, V).clone(), info, children, g)
+        counts = torch.bincount(out, minlength=V).double()
+        stat, df = _chi_square(counts, p.double())
+        assert stat < CRITICAL[df], (kids, stat)
+        for c in kids:
+            if c >= 0:
+                assert abs(counts[c].item() / n - p[c].item()) < 0.01, (kids, c)
+        naive = torch.zeros(V, dtype=torch.float64)  # always the first child
+        naive[kids[0]] = n
+        assert _chi_square(naive, p.double())[0] > CRITICAL[df]
+
+
+def test_greedy_tree_rows_emit_the_argmax() -> None:
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(3, V, generator=g)
+    best = logits.argmax(-1)
+    children = torch.tensor([[int(best[0]), 1, 2], [3, 4, -1], [-1, -1, -1]])
+    assert verify_sample(logits, _info(3, 0.0), children, g).tolist() == best.tolist()
