@@ -66,3 +66,20 @@ def test_random_eagle3_head_keeps_the_output(tmp_path: Any) -> None:
     s = _check_equal(target, 40, True, speculative_algorithm="EAGLE3",
                      speculative_draft_model_path=head)["stats"]
     assert s["verify_steps"] > 0 and s["draft_tokens"] > 0, s
+
+
+@pytest.mark.parametrize("kind,n", [("EAGLE", 3), ("EAGLE", 10), ("EAGLE3", 10)])
+def test_tree_drafts_keep_the_output(tmp_path: Any, monkeypatch: Any, kind: str,
+                                     n: int) -> None:
+    """Top-k 3 trees of 7 nodes from a head drafting among the 6 ids its target emits
+    (`peaked_pair`): verification rows from CUDA graphs (3 requests: 24 rows, within the
+    graphs; 10: beyond), scratch rows for the branches, accepted paths off the first-child
+    path; the ids of decoding without drafts."""
+    from tests.eagle_heads import peaked_pair
+    from tests.unit.test_eagle import TREE, _branch_counter
+
+    target, head = peaked_pair(str(tmp_path), kind)
+    seen = _branch_counter(monkeypatch)
+    s = _check_equal(target, n, False, speculative_algorithm=kind,
+                     speculative_draft_model_path=head, **TREE)["stats"]
+    assert s["verify_steps"] > 0 and seen["off_main"] > 0, (s, seen)
