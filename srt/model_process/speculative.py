@@ -156,9 +156,12 @@ class Speculator:
         return len(reqs) < self.disable_bs and any(map(self._may_draft, reqs))
 
     def _count(self, r: Req, room: int) -> int:
-        """Tokens `r` may draft now with `room` slots left for drafts."""
-        return max(0, min(self.k, r.remaining_new_tokens - 1, room)) if self._may_draft(r) \
-            else 0
+        """Tokens `r` may draft now with `room` slots left for drafts: a chain no more than it
+        may still emit after the next, a tree all its nodes (its branches are side by side)."""
+        if not self._may_draft(r) or r.remaining_new_tokens < 2:
+            return 0
+        most = self.k if self.topk > 1 else min(self.k, r.remaining_new_tokens - 1)
+        return max(0, min(most, room))
 
     def drafts(self, batch: Batch, room: int, alloc: Callable[[int], torch.Tensor],
                free: Callable[[torch.Tensor], None]) -> Proposal | None:

@@ -8,17 +8,18 @@ and mixed steps; start-up refusals."""
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 
 from srt.managers.io_struct import TokenizedGenerateReq
-from srt.model_process.speculative import Speculator
+from srt.model_process.batch import VerifyRows
+from srt.model_process.speculative import Speculator, main_path
 from srt.models.llama_eagle import eagle3_aux_layers
 from srt.server_args import ServerArgs
-from srt.model_process.batch import VerifyRows
-from srt.model_process.speculative import main_path
 from tests.eagle_heads import (near_oracle_head, reference_drafts, reference_tree,
                                 peaked_pair, save_eagle_head, save_echo_llama,
                                 tree_paths)
@@ -250,3 +251,74 @@ def test_tree_greedy_output_unchanged(tmp_path: Any, monkeypatch: Any, kind: str
     seen = _branch_counter(monkeypatch)
     r = _check_equal(target, head, kind, **flags, **TREE)
     assert r["stats"]["verify_steps"] > 0 and seen["off_main"] >= 5, (r, seen)
+
+
+def _first_child_sampler(logits: Any, info: Any, children: Any, generator: Any = None) -> Any:
+    """A wrong verification sampler: a row emits its first child whenever it has one."""
+    from srt.layers.sampler import verify_sample
+
+    drawn = verify_sample(logits, info, torch.full_like(children, -1), generator)
+    first = children[:, 0] if children.dim() == 2 else children
+    return torch.where(first >= 0, first, drawn)
+
+
+@pytest.mark.parametrize("sampler", ["exact", "first_child"])
+def test_tree_sampling_keeps_the_model_distribution(tmp_path: Any, monkeypatch: Any,
+                                                    sampler: str) -> None:
+    """Temperature 1, top-k 3, trees of top-k 3 over 2 steps (6 nodes) from a random head
+    over 32 ids (so its children often fall in the target's top 3): the second and third tokens come from one verification
+    (the root's row given its 3 children, then the row of the child it kept given that
+    child's children), so the joint distribution of the first three tokens tests rejection
+    child after child and the row each token is read from. It equals transformers' within a
+    chi-square test at p = 0.001; a sampler that takes the first child whenever there is one
+    fails the same test."""
+    from transformers import AutoModelForCausalLM
+
+    if sampler == "first_child":
+        monkeypatch.setattr("srt.model_process.executor.verify_sample", _first_child_sampler)
+    from tests.random_models import save_random_llama
+
+    target = save_random_llama(str(tmp_path / "t"), vocab_size=32)
+    head, _ = save_eagle_head(str(tmp_path / "h"), target, "EAGLE")
+    prompt = [5, 17, 9, 30, 2, 11, 26, 14]
+    params = {"temperature": 1.0, "top_k": 3, "max_new_tokens": 3, "ignore_eos": True}
+    n = 1200
+    server = cpu_model_server(target, **_spec(
+        "EAGLE", head, speculative_eagle_topk=3, speculative_num_steps=2,
+        speculative_num_draft_tokens=7, speculative_disable_by_batch_size=4096))
+    seen = _branch_counter(monkeypatch)
+    outs = serve_all(server, [TokenizedGenerateReq(f"s{i}", prompt, dict(params))
+                              for i in range(n)])
+    triples = Counter(tuple([i for t in o for i in t.new_ids]) for o in outs.values())
+    assert kv_is_free(server)
+    assert all(o[-1].spec.draft_tokens > 0 for o in outs.values())
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+
+    def top3(ids: list[int]) -> list[tuple[int, float]]:
+        with torch.no_grad():
+            v, i = model(torch.tensor([ids])).logits[0, -1].topk(3)
+        return list(zip(i.tolist(), torch.softmax(v, -1).tolist()))
+
+    expected: dict[tuple[int, ...], float] = {}
+    for a, pa in top3(prompt):
+        for b, pb in top3(prompt + [a]):
+            for c, pc in top3(prompt + [a, b]):
+                expected[(a, b, c)] = pa * pb * pc
+    # cells expected fewer than 5 times are pooled into one
+    big = {k for k, p in expected.items() if n * p >= 5}
+    small = sum(p for k, p in expected.items() if k not in big)
+    stat = math.inf if set(triples) - set(expected) else sum(
+        (triples.get(k, 0) - n * expected[k]) ** 2 / (n * expected[k]) for k in big)
+    if small * n >= 5:
+        got = sum(c for k, c in triples.items() if k not in big)
+        stat += (got - n * small) ** 2 / (n * small)
+    df = len(big) - (0 if small * n >= 5 else 1)
+    # chi-square at p = 0.001 (Wilson-Hilferty approximation of the quantile)
+    critical = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3
+    assert len(big) >= 8, expected
+    if sampler == "exact":
+        # drafts were accepted, also off the first-child path
+        assert seen["paths"] > n // 4 and seen["off_main"] > n // 10, seen
+        assert stat < critical, (stat, critical, triples, expected)
+    else:
+        assert stat > critical, (stat, critical)
