@@ -183,6 +183,9 @@ class ServerArgs:
     speculative_ngram_max_match_window_size: int = _f(
         12, "NGRAM: longest suffix looked up (the longest one found wins, its latest "
         "occurrence).")
+    speculative_ngram_max_bfs_breadth: int = _f(
+        1, "NGRAM: above 1, a tree of drafts merged from the continuations of the suffix's "
+        "latest occurrences (up to 8), at most this many children a node; 1: one chain.")
     speculative_disable_by_batch_size: int = _f(
         32, "Decode without drafts while this many requests or more run (verifying drafts "
         "costs throughput once a step is no longer bound by reading the weights).")
@@ -378,6 +381,16 @@ class ServerArgs:
         return (self.speculative_num_draft_tokens or default) - 1
 
     @property
+    def speculative_tree_depth(self) -> int:
+        """Deepest node of a draft tree (0: drafts are chains): EAGLE's steps, NGRAM's
+        drafts."""
+        if (self.speculative_eagle_topk or 1) > 1:
+            return self.speculative_steps
+        if self.speculative_algorithm == "NGRAM" and self.speculative_ngram_max_bfs_breadth > 1:
+            return self.speculative_draft_tokens
+        return 0
+
+    @property
     def speculative_steps(self) -> int:
         """Draft steps of a draft model per verification (the depth of its drafts)."""
         if (self.speculative_eagle_topk or 1) > 1:
@@ -414,6 +427,8 @@ class ServerArgs:
         if not 1 <= lo <= hi:
             raise ValueError("--speculative-ngram-min-match-window-size must be >= 1 and <= "
                              "--speculative-ngram-max-match-window-size")
+        if not 1 <= self.speculative_ngram_max_bfs_breadth <= 64:
+            raise ValueError("--speculative-ngram-max-bfs-breadth must be in 1..64")
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError("--speculative-disable-by-batch-size must be >= 1")
 

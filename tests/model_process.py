@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from srt.managers.io_struct import StepInput, TokenizedGenerateReq, TokenOut
+from srt.model_process.batch import VerifyRows
 from srt.model_process.loop import ModelProcess
+from srt.model_process.speculative import main_path
 from srt.server_args import ServerArgs
 
 
@@ -43,3 +45,21 @@ def serve_all(server: ModelProcess, reqs: list[TokenizedGenerateReq],
 def kv_is_free(server: ModelProcess) -> bool:
     """Every slot free or evictable, no tree lock, every req_to_token row free."""
     return server.kv.is_free()
+
+
+def branch_counter(monkeypatch: Any) -> dict[str, int]:
+    """Counts, over verification steps and their requests (observed on the real VerifyRows):
+    the drafts that branch (`trees`), the accepted paths, and those that left the main path."""
+    seen = {"trees": 0, "paths": 0, "off_main": 0}
+    original = VerifyRows.accepted
+
+    def accepted(self: VerifyRows, ids: list[int], i: int) -> list[int]:
+        path = original(self, ids, i)
+        seen["trees"] += len(main_path(self.parents[i])) < len(self.drafts[i])
+        if path:
+            seen["paths"] += 1
+            seen["off_main"] += path != main_path(self.parents[i])[: len(path)]
+        return path
+
+    monkeypatch.setattr(VerifyRows, "accepted", accepted)
+    return seen

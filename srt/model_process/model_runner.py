@@ -129,11 +129,12 @@ class ModelRunner:
         self.max_running_requests = args.max_running_requests or min(512, self.max_total_num_tokens)
         # A draft tree's branches read scratch rows (VerifyRows): up to max(top-k, nodes) per
         # request of a batch that drafts.
-        topk = args.speculative_eagle_topk or 1
-        scratch = 0 if topk == 1 else max(topk, args.speculative_draft_tokens) * min(
+        depth = args.speculative_tree_depth
+        scratch = 0 if not depth else max(args.speculative_eagle_topk or 1,
+                                          args.speculative_draft_tokens) * min(
             self.max_running_requests, args.speculative_disable_by_batch_size)
         # (a tree's rows reach up to its depth past the context's last position)
-        width = config.context_len + 8 + (args.speculative_steps if topk > 1 else 0)
+        width = config.context_len + 8 + depth
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests, width, self.device, scratch)
         self.init_pool_and_backend()

@@ -18,7 +18,7 @@ count the drafts before it as output (`VerifyRows.drafts_before`). A constrained
 drafts are cut before the first token its grammar refuses (walked on a fork of its matcher),
 and each of its verification rows is masked by the grammar's state after the drafts before
 the row (`Proposal.matchers`), so every row samples what decoding one token at a time would;
-of a tree it verifies the main path only.
+of a tree it verifies the main path only (NGRAM: it drafts a chain).
 While the running batch has
 `--speculative-disable-by-batch-size` requests or more, nobody drafts: a large batch is bound
 by compute, not by reading the weights, and verifying drafts would cost throughput.
@@ -130,6 +130,8 @@ class Speculator:
         self.algorithm = args.speculative_algorithm or ""
         self.k = args.speculative_draft_tokens
         self.topk = args.speculative_eagle_topk or 1
+        self.breadth = args.speculative_ngram_max_bfs_breadth if self.algorithm == "NGRAM" else 1
+        self.tree = args.speculative_tree_depth > 0
         # a tree's head steps write their KV into slots of their own, freed after drafting
         self.tree_slots = (args.speculative_steps - 1) * self.topk if self.topk > 1 else 0
         self.disable_bs = args.speculative_disable_by_batch_size
@@ -160,7 +162,7 @@ class Speculator:
         may still emit after the next, a tree all its nodes (its branches are side by side)."""
         if not self._may_draft(r) or r.remaining_new_tokens < 2:
             return 0
-        most = self.k if self.topk > 1 else min(self.k, r.remaining_new_tokens - 1)
+        most = self.k if self.tree else min(self.k, r.remaining_new_tokens - 1)
         return max(0, min(most, room))
 
     def drafts(self, batch: Batch, room: int, alloc: Callable[[int], torch.Tensor],
@@ -174,16 +176,23 @@ class Speculator:
         rows: list[Matcher | None] = []
         if self.draft_model is None:
             drafts: list[list[int]] = []
+            shapes: list[list[int]] = []  # each request's parents
             for r in batch.reqs:
                 k = self._count(r, room)
-                d, m = grammar_rows(r.matcher, self.proposer.propose(r, k) if k else [])
+                if self.breadth > 1 and r.matcher is None:  # (constrained: a chain)
+                    d, par = self.proposer.propose_tree(r, k, self.breadth)
+                    m = [None] * (1 + len(d))
+                else:
+                    d, m = grammar_rows(r.matcher, self.proposer.propose(r, k) if k else [])
+                    par = list(range(-1, len(d) - 1))
                 drafts.append(d)
+                shapes.append(par)
                 rows.extend(m)
                 room -= len(d)
             if not any(drafts):
                 return None
             return Proposal(drafts, alloc(len(batch) + sum(map(len, drafts))),
-                            rows if constrained else None)
+                            rows if constrained else None, shapes if self.breadth > 1 else None)
         ks: list[int] = []
         for r in batch.reqs:
             k = self._count(r, room - self.tree_slots)

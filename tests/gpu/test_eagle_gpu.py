@@ -76,10 +76,11 @@ def test_tree_drafts_keep_the_output(tmp_path: Any, monkeypatch: Any, kind: str,
     graphs; 10: beyond), scratch rows for the branches, accepted paths off the first-child
     path; the ids of decoding without drafts."""
     from tests.eagle_heads import peaked_pair
-    from tests.unit.test_eagle import TREE, _branch_counter
+    from tests.model_process import branch_counter
+    from tests.unit.test_eagle import TREE
 
     target, head = peaked_pair(str(tmp_path), kind)
-    seen = _branch_counter(monkeypatch)
+    seen = branch_counter(monkeypatch)
     s = _check_equal(target, n, False, speculative_algorithm=kind,
                      speculative_draft_model_path=head, **TREE)["stats"]
     assert s["verify_steps"] > 0 and seen["off_main"] > 0, (s, seen)

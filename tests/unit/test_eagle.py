@@ -16,14 +16,13 @@ import pytest
 import torch
 
 from srt.managers.io_struct import TokenizedGenerateReq
-from srt.model_process.batch import VerifyRows
 from srt.model_process.speculative import Speculator, main_path
 from srt.models.llama_eagle import eagle3_aux_layers
 from srt.server_args import ServerArgs
 from tests.eagle_heads import (near_oracle_head, reference_drafts, reference_tree,
                                 peaked_pair, save_eagle_head, save_echo_llama,
                                 tree_paths)
-from tests.model_process import cpu_model_server, kv_is_free, serve_all
+from tests.model_process import branch_counter, cpu_model_server, kv_is_free, serve_all
 from tests.unit.test_standalone import _check_equal
 
 AUX = (1, 2, 3)  # the EAGLE3 heads below name layer outputs 0, 1, 2: the inputs of 1, 2, 3
@@ -218,23 +217,6 @@ def test_tree_drafts_equal_a_reference_head(target_dir: str, tmp_path: Any, kind
         (checked, near_ties, branched)
 
 
-def _branch_counter(monkeypatch: Any) -> dict[str, int]:
-    """Counts the requests' accepted paths of verification steps, and those that left the
-    main path (observed on the real VerifyRows)."""
-    seen = {"paths": 0, "off_main": 0}
-    original = VerifyRows.accepted
-
-    def accepted(self: VerifyRows, ids: list[int], i: int) -> list[int]:
-        path = original(self, ids, i)
-        if path:
-            seen["paths"] += 1
-            seen["off_main"] += path != main_path(self.parents[i])[: len(path)]
-        return path
-
-    monkeypatch.setattr(VerifyRows, "accepted", accepted)
-    return seen
-
-
 @pytest.mark.parametrize("kind,flags", [
     ("EAGLE", {}),
     ("EAGLE", {"disable_overlap_schedule": True}),
@@ -248,7 +230,7 @@ def test_tree_greedy_output_unchanged(tmp_path: Any, monkeypatch: Any, kind: str
     what follows to equal decoding without drafts (ids, finish reasons, logprobs; stops,
     n = 2, penalties, min_new_tokens, sampled rows' lengths)."""
     target, head = peaked_pair(str(tmp_path), kind)
-    seen = _branch_counter(monkeypatch)
+    seen = branch_counter(monkeypatch)
     r = _check_equal(target, head, kind, **flags, **TREE)
     assert r["stats"]["verify_steps"] > 0 and seen["off_main"] >= 5, (r, seen)
 
@@ -286,7 +268,7 @@ def test_tree_sampling_keeps_the_model_distribution(tmp_path: Any, monkeypatch: 
     server = cpu_model_server(target, **_spec(
         "EAGLE", head, speculative_eagle_topk=3, speculative_num_steps=2,
         speculative_num_draft_tokens=7, speculative_disable_by_batch_size=4096))
-    seen = _branch_counter(monkeypatch)
+    seen = branch_counter(monkeypatch)
     outs = serve_all(server, [TokenizedGenerateReq(f"s{i}", prompt, dict(params))
                               for i in range(n)])
     triples = Counter(tuple([i for t in o for i in t.new_ids]) for o in outs.values())

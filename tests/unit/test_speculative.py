@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from srt.managers.io_struct import LogprobOptions, TokenizedGenerateReq
-from tests.model_process import cpu_model_server, kv_is_free, serve_all
+from tests.model_process import branch_counter, cpu_model_server, kv_is_free, serve_all
 from tests.overlap_cases import assert_same, late_stops, mixed_requests, serve
 
 SPEC = {"speculative_algorithm": "NGRAM"}
@@ -299,3 +299,49 @@ def test_rows_count_the_drafts_before_them() -> None:
     info2, _ = build_sampling_info(plan2.verify.row_reqs, 16, torch.device("cpu"),
                                    lambda r: {2}, before=plan2.verify.drafts_before())
     assert info2.forbidden[:, 2].tolist() == [True, True, False]
+
+
+def _echo_chain(path: str, start: int, n: int) -> list[int]:
+    """The greedy tokens of an echo target (its next token a function of its last) from
+    `start`: start, f(start), f(f(start)), ... (n ids)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = [start]
+    with torch.no_grad():
+        for _ in range(n - 1):
+            out.append(int(model(torch.tensor([out[-1:]])).logits[0, -1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("breadth", [1, 4])
+def test_ngram_trees_keep_the_output(tmp_path: Any, monkeypatch: Any, breadth: int) -> None:
+    """An echo target (its next token a function f of its last) after a prompt in which the
+    output's next tokens occur three times: followed by a decoy, by what f gives, and last by
+    another decoy. A chain drafts the latest (decoy) continuation; a tree of up to 4 children
+    a node (11 nodes) also holds the true one, off its first-child path, and keeps it: more
+    tokens per step, the ids of decoding without drafts either way."""
+    from tests.eagle_heads import save_echo_llama
+
+    target = save_echo_llama(str(tmp_path / "echo"))
+    seen = branch_counter(monkeypatch)
+    reqs = []
+    for i, start in enumerate((300, 350, 410)):
+        c = _echo_chain(target, start, 12)
+        prompt = [c[1], c[2], 20 + i, 21 + i] + c[1:10] + [c[1], c[2], 40 + i, 41 + i] + [c[0]]
+        reqs.append(TokenizedGenerateReq(f"e{i}", prompt, {"temperature": 0,
+                                                           "max_new_tokens": 5,
+                                                           "ignore_eos": True}))
+    want = serve(cpu_model_server(target), reqs)
+    spec = cpu_model_server(target, **SPEC, speculative_num_draft_tokens=12,
+                            speculative_ngram_max_bfs_breadth=breadth)
+    got = serve(spec, reqs)
+    assert got == want
+    assert kv_is_free(spec)
+    s = spec.stats()["speculative"]
+    if breadth == 1:
+        assert seen["trees"] == 0 and seen["off_main"] == 0, seen
+        assert s["accept_length"] == 2, s  # c2, then f's token where the decoy was
+    else:
+        assert seen["trees"] >= 3 and seen["off_main"] >= 3, seen
+        assert s["accept_length"] == 4, s  # the 4 tokens after the first in one step
