@@ -125,13 +125,32 @@ def sliding_window(hf_config: Any) -> int | None:
 
 
 def rope_params(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from either the transformers 5 `rope_parameters` or the older fields."""
+    """(theta, scaling) from either the transformers 5 `rope_parameters` or the older fields.
+    A LongRoPE scaling also carries the config's `original_max_position_embeddings` and
+    `max_position_embeddings` where it lacks them."""
     params = getattr(hf_config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
         scaling = params if params.get("rope_type", "default") != "default" else None
-        return float(params["rope_theta"]), scaling
-    theta = float(getattr(hf_config, "rope_theta", 10000.0))
-    return theta, getattr(hf_config, "rope_scaling", None)
+        theta = float(params["rope_theta"])
+    else:
+        theta = float(getattr(hf_config, "rope_theta", 10000.0))
+        scaling = getattr(hf_config, "rope_scaling", None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+        scaling = dict(scaling)
+        for key in ("original_max_position_embeddings", "max_position_embeddings"):
+            if key not in scaling and getattr(hf_config, key, None) is not None:
+                scaling[key] = getattr(hf_config, key)
+    return theta, scaling
+
+
+def rotary_dim(hf_config: Any, head_dim: int) -> int:
+    """The rotating dimensions of a head: head_dim x `partial_rotary_factor` (transformers 5's
+    `rope_parameters` or the older field; 1 if neither)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if factor is None:
+        factor = getattr(hf_config, "partial_rotary_factor", None) or 1.0
+    return int(head_dim * float(factor))
 
 
 def check_tp_size(path: str, tp_size: int) -> None:

@@ -42,7 +42,8 @@ class RadixAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(self.layer_id)
-        if rotary is not None and use_fused(q) and _fusable(q, k, v, self.head_dim):
+        if rotary is not None and use_fused(q) and _fusable(q, k, v, self.head_dim) \
+                and rotary.rotary_dim == self.head_dim:
             q = kernels().rope_and_store(q, k, v, positions, rotary.cos_cache, rotary.sin_cache,
                                          k_buf, v_buf, fb.out_cache_loc,
                                          k_scale=self.k_scale, v_scale=self.v_scale)

@@ -31,25 +31,56 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (default, linear, llama3)")
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (default, linear, llama3, "
+                     "longrope)")
+
+
+def _longrope(dim: int, theta: float, scaling: dict[str, Any],
+              positions: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 `longrope` / `su`): the angles of each position, from `short_factor`
+    below `original_max_position_embeddings` and `long_factor` from there on, and the factor
+    cos and sin are scaled by (`attention_factor`, or sqrt(1 + ln s / ln original) for the
+    extension s = max_position_embeddings / original)."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or scaling.get("max_position_embeddings", original) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * base)
+    long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * base)
+    freqs = torch.where((positions >= original).unsqueeze(1), torch.outer(positions, long),
+                        torch.outer(positions, short))
+    return freqs, float(attention)
 
 
 class RotaryEmbedding(nn.Module):
+    """`rotary_dim` (default head_dim): the leading dimensions of each head that rotate (a
+    partial rotary factor below 1); the others pass through unchanged."""
+
     def __init__(
         self,
         head_dim: int,
         max_position: int,
         theta: float,
         scaling: dict[str, Any] | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = _inv_freq(head_dim, theta, scaling)
+        self.rotary_dim = rotary_dim or head_dim
         t = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)
+        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if rope_type in ("longrope", "su"):
+            # (each position takes the short or the long factors by itself, so a step's angles
+            # do not depend on the rest of its batch; transformers takes the long ones for the
+            # whole sequence once it is longer than the original context)
+            freqs, mscale = _longrope(self.rotary_dim, theta, scaling or {}, t)
+        else:
+            freqs, mscale = torch.outer(t, _inv_freq(self.rotary_dim, theta, scaling)), 1.0
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.register_buffer("cos_cache", emb.cos() * mscale, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * mscale, persistent=False)
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +93,13 @@ class RotaryEmbedding(nn.Module):
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; positions: [T]."""
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        r = self.rotary_dim
+        if r < self.head_dim:
+            q = torch.cat((q[..., :r] * cos + self._rotate_half(q[..., :r]) * sin, q[..., r:]),
+                          dim=-1)
+            k = torch.cat((k[..., :r] * cos + self._rotate_half(k[..., :r]) * sin, k[..., r:]),
+                          dim=-1)
+            return q, k
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin
         return q, k

@@ -21,7 +21,7 @@ from srt.layers.logits_processor import LogitsProcessor
 from srt.layers.moe import SparseMoeBlock
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary import RotaryEmbedding
-from srt.model_config import rope_params
+from srt.model_config import rope_params, rotary_dim
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         theta, scaling = rope_params(config)
-        self.rotary_emb = RotaryEmbedding(head_dim, max_position, theta, scaling)
+        self.rotary_emb = RotaryEmbedding(head_dim, max_position, theta, scaling,
+                                          rotary_dim(config, head_dim))
         self.attn = RadixAttention(
             self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_id
         )

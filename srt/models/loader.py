@@ -34,6 +34,27 @@ class CheckpointTensor:
         return self._slice[key]
 
 
+class RowSlice:
+    """Rows start .. start + rows - 1 of a checkpoint tensor (a CheckpointTensor or a
+    torch.Tensor), read lazily like the tensor itself: a fused projection's part."""
+
+    def __init__(self, tensor: Any, start: int, rows: int) -> None:
+        self._t, self._start = tensor, start
+        self.shape = (rows, *tuple(tensor.shape)[1:])
+        self.dtype_name = getattr(tensor, "dtype_name", "")
+        if isinstance(tensor, torch.Tensor):
+            self.dtype = tensor.dtype
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self._t.narrow(0, self._start + start, length)
+        return self[:].narrow(dim, start, length)
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        rows = self._t.narrow(0, self._start, self.shape[0])
+        return rows if key == slice(None) else rows[key]
+
+
 def iterate_safetensors(path: str) -> Iterator[tuple[str, CheckpointTensor]]:
     """Yield (name, CheckpointTensor) from every *.safetensors file of a directory. Weight
     loaders take what they need with `narrow` or slicing (`t[:]` reads it all)."""

@@ -9,6 +9,7 @@ _MODELS: dict[str, str] = {
     "LlavaForConditionalGeneration": "srt.models.llava:LlavaForConditionalGeneration",
     "MistralForCausalLM": "srt.models.mistral:MistralForCausalLM",
     "MixtralForCausalLM": "srt.models.mixtral:MixtralForCausalLM",
+    "Phi3ForCausalLM": "srt.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "srt.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "srt.models.qwen3:Qwen3ForCausalLM",
 }

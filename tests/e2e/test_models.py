@@ -1,6 +1,6 @@
 """Each supported architecture besides Llama, served by the real server in float32 on a small
 random checkpoint, gives transformers' greedy tokens, and prompt and output logprobs equal to its
-log_softmax within 1e-4; Mixtral also under --tp-size 2 (gloo).
+log_softmax within 1e-4; Mixtral also under --tp-size 2 (gloo), Phi-3 over 48 tokens at 1 and 2.
 Mistral's sliding window caps the context: a longer request is a 400. An unsupported
 architecture is a clear start-up error."""
 
@@ -36,6 +36,16 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=128)),
+    # LongRoPE within the original context (the short factors) and its attention factor
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, bos_token_id=1, eos_token_id=1, max_position_embeddings=4096,
+        original_max_position_embeddings=1024, rope_scaling={
+            "type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)]})),
+    # Phi-4-mini's shape: a partial rotary factor (12 of 16 dimensions rotate), tied embeddings
+    "phi3_partial": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, bos_token_id=1, eos_token_id=1, partial_rotary_factor=0.75,
+        tie_word_embeddings=True)),
 }
 
 
@@ -106,9 +116,10 @@ def _serve(path: str, *extra: str) -> ServerProcess:
                           "--random-seed", "0", "--max-total-tokens", "512", *extra]).start()
 
 
-def _check(srv: ServerProcess, ref: Reference) -> None:
-    """Greedy tokens equal transformers'; prompt and output logprobs within TOL."""
-    res = srv.generate({"input_ids": PROMPTS, "sampling_params": GREEDY,
+def _check(srv: ServerProcess, ref: Reference, new: int = NEW_TOKENS) -> None:
+    """Greedy tokens (`new` of them) equal transformers'; prompt and output logprobs within
+    TOL."""
+    res = srv.generate({"input_ids": PROMPTS, "sampling_params": {**GREEDY, "max_new_tokens": new},
                         "return_logprob": True, "logprob_start_len": 0})
     assert [r["output_ids"] for r in res] == ref.greedy
     for r, want_in, want_out in zip(res, ref.prompt_logprobs, ref.output_logprobs):
@@ -125,6 +136,20 @@ def test_greedy_equals_transformers(checkpoints: Any, name: str) -> None:
     srv = _serve(path)
     try:
         _check(srv, expected)
+        srv.assert_kv_invariant()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("name,tp", [("phi3", 1), ("phi3", 2), ("phi3_partial", 2)])
+def test_phi3_48_steps_equal_transformers(checkpoints: Any, name: str, tp: int) -> None:
+    """Phi-3's fused qkv / gate_up checkpoints (split as they load, so each rank reads its
+    shard), LongRoPE's short factors and attention factor, a partial rotary factor: 48
+    greedy tokens and the logprobs of transformers, at --tp-size 1 and 2 (gloo)."""
+    path, _ = checkpoints(name)
+    srv = _serve(path, "--tp-size", str(tp))
+    try:
+        _check(srv, hf_reference(path, PROMPTS, 48), new=48)
         srv.assert_kv_invariant()
     finally:
         srv.stop()
@@ -172,5 +197,5 @@ def test_unsupported_architecture_is_a_startup_error(checkpoints: Any,
     proc = start_fails(bad)
     assert proc.returncode != 0
     assert ("unsupported architecture 'FooForCausalLM'; supported: LlamaForCausalLM, "
-            "LlavaForConditionalGeneration, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+            "LlavaForConditionalGeneration, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
             ) in proc.stderr

@@ -119,6 +119,43 @@ def test_rotary_matches_transformers(case: str) -> None:
     assert not torch.allclose(q_ours[1], q[1])
 
 
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_longrope_matches_transformers_on_each_side(partial: float) -> None:
+    """Phi-3's LongRoPE: positions below the original context rotate as transformers does
+    for a sequence within it (the short factors), positions from it on as transformers does
+    for a longer one (the long factors), both scaled by the attention factor; with a partial
+    rotary factor only the leading dimensions rotate."""
+    from transformers import Phi3Config
+    from transformers.models.phi3 import modeling_phi3 as hf_phi3
+
+    from srt.model_config import rotary_dim
+
+    heads, head_dim, original = 4, 32, 256
+    rot = int(head_dim * partial)
+    cfg = Phi3Config(hidden_size=heads * head_dim, num_attention_heads=heads,
+                     num_key_value_heads=2, max_position_embeddings=4 * original,
+                     original_max_position_embeddings=original, partial_rotary_factor=partial,
+                     rope_scaling={"type": "longrope",
+                                   "short_factor": [1.0 + 0.1 * i for i in range(rot // 2)],
+                                   "long_factor": [3.0 + 0.7 * i for i in range(rot // 2)]})
+    theta, scaling = rope_params(cfg)
+    ours = RotaryEmbedding(head_dim, 4 * original, theta, scaling, rotary_dim(cfg, head_dim))
+    ref = hf_phi3.Phi3RotaryEmbedding(cfg)
+    g = gen(8)
+    for positions in (torch.arange(0, original, 7), torch.arange(original, 4 * original, 29)):
+        q = torch.randn(len(positions), heads, head_dim, generator=g)
+        k = torch.randn(len(positions), 2, head_dim, generator=g)
+        q_ours, k_ours = ours(positions, q.clone(), k.clone())
+        # transformers picks the factors by the sequence's length: its last position + 1
+        cos, sin = ref(q, positions.unsqueeze(0))
+        q_ref, k_ref = hf_phi3.apply_rotary_pos_emb(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), cos, sin,
+            unsqueeze_dim=1)
+        torch.testing.assert_close(q_ours, q_ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k_ours, k_ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    assert ref.attention_scaling > 1.0
+
+
 def test_unknown_rope_type_is_rejected() -> None:
     with pytest.raises(ValueError):
         RotaryEmbedding(16, 32, 10000.0, {"rope_type": "yarn", "factor": 2.0})
