@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP (Mixtral): a replicated router picks the top-k experts of each token.
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a replicated router picks the top-k experts of each token.
 
 Tensor parallelism shards every expert like the dense MLP: each rank holds a slice of every expert's
 intermediate dimension (w1/w3 column-parallel, w2 row-parallel), computes its partial output for
@@ -34,13 +34,15 @@ def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def route_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts in float32, keep the top k, renormalize them to sum to 1.
+def route_topk(router_logits: torch.Tensor, top_k: int,
+               renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in float32, keep the top k, renormalize them to sum to 1
+    (Mixtral, Qwen3-MoE's `norm_topk_prob`; without, their softmax probabilities: Qwen2-MoE).
 
     Returns (weights [T, k] float32, expert ids [T, k] int64)."""
     probs = router_logits.float().softmax(dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
-    return weights / weights.sum(dim=-1, keepdim=True), ids
+    return (weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights), ids
 
 
 def moe_forward_torch(
@@ -89,10 +91,12 @@ class FusedMoE(nn.Module):
     per output row of each expert's shard, w13_scale [E, 2 * I/tp] and w2_scale [E, H]
     (weight-only: the activations stay in the model dtype)."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int,
+                 renormalize: bool = True) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = ps.tp_rank(), ps.tp_size()
         self.num_experts, self.top_k = num_experts, top_k
+        self.renormalize = renormalize
         self.inter_per_rank = _divide(intermediate, self.tp_size, "expert intermediate size")
         n = self.inter_per_rank
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * n, hidden), requires_grad=False)
@@ -127,7 +131,7 @@ class FusedMoE(nn.Module):
         param.data[expert_id].narrow(0, offset, n).copy_(loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_topk(router_logits, self.top_k)
+        weights, ids = route_topk(router_logits, self.top_k, self.renormalize)
         if x.is_cuda and _triton_available() and (
                 x.shape[0] < TORCH_PATH_MIN_TOKENS or torch.cuda.is_current_stream_capturing()):
             from srt.layers.moe_triton import fused_moe_triton
@@ -152,12 +156,21 @@ class ReplicatedLinear(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Mixtral's `block_sparse_moe`: `gate` (the router) and `experts`."""
+    """Mixtral's `block_sparse_moe` and Qwen-MoE's sparse `mlp`: `gate` (the router) and
+    `experts`; with `shared` (Qwen2-MoE) also a dense `shared_expert` MLP of that intermediate
+    size (tensor-parallel like the dense MLP), added under a sigmoid `shared_expert_gate`."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 renormalize: bool = True, shared: nn.Module | None = None) -> None:
         super().__init__()
         self.gate = ReplicatedLinear(hidden, num_experts)
-        self.experts = FusedMoE(num_experts, top_k, hidden, intermediate)
+        self.experts = FusedMoE(num_experts, top_k, hidden, intermediate, renormalize)
+        self.shared_expert = shared
+        if shared is not None:
+            self.shared_expert_gate = ReplicatedLinear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x))
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -31,6 +31,17 @@ class ArchOptions:
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3)
     moe: bool = False  # the MLP is a top-k mixture of experts (Mixtral's block_sparse_moe)
+    # Qwen2/3-MoE: `mlp` is a mixture of experts on the layers `moe_layer` says (the others a
+    # dense MLP), of `moe_intermediate_size`, `norm_topk_prob`, a shared expert if sized
+    qwen_moe: bool = False
+
+
+def qwen_moe_layer(config: Any, layer_id: int) -> bool:
+    """A Qwen-MoE layer whose MLP is sparse: not in `mlp_only_layers`, and every
+    `decoder_sparse_step`-th layer."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return (layer_id not in (getattr(config, "mlp_only_layers", None) or [])
+            and config.num_experts > 0 and (layer_id + 1) % step == 0)
 
 
 class LlamaMLP(nn.Module):
@@ -91,6 +102,12 @@ class LlamaDecoderLayer(nn.Module):
                 config.hidden_size, config.intermediate_size, config.num_local_experts,
                 config.num_experts_per_tok,
             )
+        elif opts.qwen_moe and qwen_moe_layer(config, layer_id):
+            size = getattr(config, "shared_expert_intermediate_size", 0) or 0
+            self.mlp = SparseMoeBlock(
+                config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                config.num_experts_per_tok, bool(getattr(config, "norm_topk_prob", False)),
+                LlamaMLP(config.hidden_size, size) if size else None)
         else:
             self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, opts.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -156,10 +173,14 @@ class LlamaForCausalLM(nn.Module):
         (".up_proj", ".gate_up_proj", 1),
     ]
     # a mixture of experts' per-expert tensors -> (our parameter, shard id); see FusedMoE
+    # (Mixtral names them w1 / w3 / w2, Qwen-MoE gate_proj / up_proj / down_proj)
     expert_params = {
-        "w1": ("w13_weight", "w1"), "w3": ("w13_weight", "w3"), "w2": ("w2_weight", "w2")
+        "w1": ("w13_weight", "w1"), "w3": ("w13_weight", "w3"), "w2": ("w2_weight", "w2"),
+        "gate_proj": ("w13_weight", "w1"), "up_proj": ("w13_weight", "w3"),
+        "down_proj": ("w2_weight", "w2"),
     }
-    _expert_name = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|weight_scale)$")
+    _expert_name = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123]|gate_proj|up_proj|down_proj)"
+                              r"\.(weight|weight_scale)$")
 
     @classmethod
     def arch_options(cls, config: Any) -> ArchOptions:

@@ -11,7 +11,9 @@ _MODELS: dict[str, str] = {
     "MixtralForCausalLM": "srt.models.mixtral:MixtralForCausalLM",
     "Phi3ForCausalLM": "srt.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "srt.models.qwen2:Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM": "srt.models.qwen_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "srt.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "srt.models.qwen_moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -1,6 +1,6 @@
 """Each supported architecture besides Llama, served by the real server in float32 on a small
 random checkpoint, gives transformers' greedy tokens, and prompt and output logprobs equal to its
-log_softmax within 1e-4; Mixtral also under --tp-size 2 (gloo), Phi-3 over 48 tokens at 1 and 2.
+log_softmax within 1e-4; Mixtral also under --tp-size 2 (gloo); Phi-3, Qwen2-MoE and Qwen3-MoE over 48 tokens at 1 and 2.
 Mistral's sliding window caps the context: a longer request is a 400. An unsupported
 architecture is a clear start-up error."""
 
@@ -36,6 +36,14 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=128)),
+    # Qwen3-MoE: 4 experts (top 2, renormalized), q/k norm, a dense layer (mlp_only_layers)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        norm_topk_prob=True, mlp_only_layers=[1])),
+    # Qwen2-MoE: top-2 weights as softmax probabilities, a shared expert under its gate
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=96, norm_topk_prob=False)),
     # LongRoPE within the original context (the short factors) and its attention factor
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
         pad_token_id=0, bos_token_id=1, eos_token_id=1, max_position_embeddings=4096,
@@ -141,11 +149,14 @@ def test_greedy_equals_transformers(checkpoints: Any, name: str) -> None:
         srv.stop()
 
 
-@pytest.mark.parametrize("name,tp", [("phi3", 1), ("phi3", 2), ("phi3_partial", 2)])
-def test_phi3_48_steps_equal_transformers(checkpoints: Any, name: str, tp: int) -> None:
+@pytest.mark.parametrize("name,tp", [("phi3", 1), ("phi3", 2), ("phi3_partial", 2),
+                                     ("qwen3_moe", 1), ("qwen3_moe", 2), ("qwen2_moe", 1),
+                                     ("qwen2_moe", 2)])
+def test_48_steps_equal_transformers(checkpoints: Any, name: str, tp: int) -> None:
     """Phi-3's fused qkv / gate_up checkpoints (split as they load, so each rank reads its
-    shard), LongRoPE's short factors and attention factor, a partial rotary factor: 48
-    greedy tokens and the logprobs of transformers, at --tp-size 1 and 2 (gloo)."""
+    shard), LongRoPE's short factors and attention factor, a partial rotary factor; Qwen3-MoE
+    and Qwen2-MoE (experts sharded under TP, the shared expert and its gate): 48 greedy tokens
+    and the logprobs of transformers, at --tp-size 1 and 2 (gloo)."""
     path, _ = checkpoints(name)
     srv = _serve(path, "--tp-size", str(tp))
     try:
@@ -197,5 +208,6 @@ def test_unsupported_architecture_is_a_startup_error(checkpoints: Any,
     proc = start_fails(bad)
     assert proc.returncode != 0
     assert ("unsupported architecture 'FooForCausalLM'; supported: LlamaForCausalLM, "
-            "LlavaForConditionalGeneration, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+            "LlavaForConditionalGeneration, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, "
+            "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"
             ) in proc.stderr
