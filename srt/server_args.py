@@ -90,6 +90,10 @@ class ServerArgs(SpeculativeArgs):
         "at most a fill of this size; with none decoding, --chunked-prefill-size applies. "
         "Smaller bounds the streams' longest gap and costs long-prompt throughput. -1: no "
         "separate cap.")
+    ep_size: int = _f(
+        1, "Expert parallelism: 1 shards every expert of a mixture of experts over the "
+        "--tp-size ranks (slices of its intermediate size); equal to --tp-size, each rank "
+        "holds its share of the experts whole and computes only those.")
     enable_mixed_chunk: bool = _f(
         False, "Run the running requests' next decode tokens inside each fill step (one forward "
         "carries a prefill chunk and a token of every running request). Off: a decode step "
@@ -315,6 +319,9 @@ class ServerArgs(SpeculativeArgs):
             raise ValueError("--chunked-prefill-size must be >= 1, or -1 (no chunking)")
         if self.max_fill_tokens_while_decoding == 0 or self.max_fill_tokens_while_decoding < -1:
             raise ValueError("--max-fill-tokens-while-decoding must be >= 1, or -1 (no cap)")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"--ep-size must be 1 or --tp-size ({self.tp_size}): experts are "
+                             "split over the tensor-parallel ranks")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
         if self.jump_forward_min_tokens < 1:

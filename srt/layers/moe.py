@@ -2,7 +2,11 @@
 
 Tensor parallelism shards every expert like the dense MLP: each rank holds a slice of every expert's
 intermediate dimension (w1/w3 column-parallel, w2 row-parallel), computes its partial output for
-the tokens routed to each expert, and the partial outputs are all-reduced once per layer. Routing is
+the tokens routed to each expert, and the partial outputs are all-reduced once per layer. With
+expert parallelism (`--ep-size` = `--tp-size`) each rank holds E / tp experts whole and computes
+the tokens routed to them (the rest weigh 0 on its first expert); the same all-reduce sums the
+ranks' experts. Every rank has every token (attention is tensor-parallel), so no dispatch is
+needed. Routing is
 computed identically on every rank from the replicated router weights. On a GPU the experts run in
 the fused Triton kernel of moe_triton.py below TORCH_PATH_MIN_TOKENS tokens (decode, CUDA
 graphs) and in the torch loop below from there; on the CPU always in the torch loop. Experts in
@@ -97,10 +101,19 @@ class FusedMoE(nn.Module):
         self.tp_rank, self.tp_size = ps.tp_rank(), ps.tp_size()
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize = renormalize
-        self.inter_per_rank = _divide(intermediate, self.tp_size, "expert intermediate size")
-        n = self.inter_per_rank
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * n, hidden), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, n), requires_grad=False)
+        # Expert parallelism (--ep-size): this rank holds experts first .. first + local - 1
+        # whole; otherwise every expert, a slice of its intermediate size.
+        self.ep = ps.expert_parallel()
+        if self.ep:
+            self.local = _divide(num_experts, self.tp_size, "experts")
+            self.first = self.tp_rank * self.local
+            self.inter_per_rank = intermediate
+        else:
+            self.local, self.first = num_experts, 0
+            self.inter_per_rank = _divide(intermediate, self.tp_size, "expert intermediate size")
+        n, e = self.inter_per_rank, self.local
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * n, hidden), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e, hidden, n), requires_grad=False)
         self.w13_scale: nn.Parameter | None = None
         self.w2_scale: nn.Parameter | None = None
 
@@ -121,17 +134,27 @@ class FusedMoE(nn.Module):
         """One expert's checkpoint tensor: w1 (gate) and w3 (up) [I, H], w2 (down) [H, I]; or,
         into w13_scale / w2_scale, their per-row scales (srt.layers.fp8.weight_scale_rows)."""
         n = self.inter_per_rank
+        expert_id -= self.first
+        if not 0 <= expert_id < self.local:
+            return  # another rank's expert (expert parallelism): not read
+        rank = 0 if self.ep else self.tp_rank  # (whole experts: no slice)
         if param is self.w2_scale:  # one per output row H: whole on every rank
             param.data[expert_id].copy_(loaded[:])
             return
         if shard_id == "w2":
-            param.data[expert_id].copy_(loaded.narrow(1, self.tp_rank * n, n))
+            param.data[expert_id].copy_(loaded.narrow(1, rank * n, n))
             return
         offset = 0 if shard_id == "w1" else n
-        param.data[expert_id].narrow(0, offset, n).copy_(loaded.narrow(0, self.tp_rank * n, n))
+        param.data[expert_id].narrow(0, offset, n).copy_(loaded.narrow(0, rank * n, n))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route_topk(router_logits, self.top_k, self.renormalize)
+        if self.ep:
+            # this rank's experts only: the others' choices weigh 0 (on local expert 0); the
+            # all-reduce below sums every rank's experts
+            ids = ids - self.first
+            mine = (ids >= 0) & (ids < self.local)
+            ids, weights = torch.where(mine, ids, 0), torch.where(mine, weights, 0.0)
         if x.is_cuda and _triton_available() and (
                 x.shape[0] < TORCH_PATH_MIN_TOKENS or torch.cuda.is_current_stream_capturing()):
             from srt.layers.moe_triton import fused_moe_triton

@@ -22,15 +22,18 @@ logger = logging.getLogger(__name__)
 class TPGroup:
     rank: int = 0
     size: int = 1
+    # --ep-size: mixtures of experts split by whole experts over the group's ranks
+    expert_parallel: bool = False
 
 
 _group = TPGroup()
 
 
 def init_tp_group(rank: int, size: int, device: torch.device, init_port: int | None,
-                  init_host: str = "127.0.0.1") -> None:
+                  init_host: str = "127.0.0.1", expert_parallel: bool = False) -> None:
     """Join the group (called once per process at start-up, before the model is built); the
-    rendezvous is rank 0's TCP store at init_host:init_port."""
+    rendezvous is rank 0's TCP store at init_host:init_port. `expert_parallel`: the model's
+    experts are split over the ranks whole, not each sliced across them."""
     global _group
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} outside tp_size {size}")
@@ -44,7 +47,7 @@ def init_tp_group(rank: int, size: int, device: torch.device, init_port: int | N
             world_size=size,
             timeout=timedelta(minutes=10),
         )
-    _group = TPGroup(rank, size)
+    _group = TPGroup(rank, size, expert_parallel and size > 1)
 
 
 def tp_rank() -> int:
@@ -53,6 +56,10 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _group.size
+
+
+def expert_parallel() -> bool:
+    return _group.expert_parallel
 
 
 class _OneShotAllReduce:

@@ -96,7 +96,7 @@ class ModelRunner:
                         os.environ.get("GOMP_SPINCOUNT", "libgomp's default"))
         parallel_state.init_tp_group(
             tp_rank, args.tp_size, self.device, dist_init_port,
-            args.dist_init[0] if args.nnodes > 1 else "127.0.0.1")
+            args.dist_init[0] if args.nnodes > 1 else "127.0.0.1", args.ep_size > 1)
         self.dtype = resolve_dtype(args.dtype, config.torch_dtype, self.device)
         torch.manual_seed(args.random_seed or 0)
         self.quantization: str | None = None  # of the weights, once loaded

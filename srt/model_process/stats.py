@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from srt.gc_watch import process_watch
+from srt.layers.moe import FusedMoE
 from srt.model_process.step_timing import StepTimer
 
 if TYPE_CHECKING:
@@ -89,6 +90,10 @@ def stats(p: ModelProcess) -> dict[str, Any]:
         "attention_backend": info.attention_backend,
         "context_length": p.config.context_len,
         "tp_size": p.args.tp_size,
+        "ep_size": p.args.ep_size,
+        # a mixture of experts: the experts each rank holds (whole with --ep-size, else slices)
+        "experts_per_rank": next((m.local for m in p.runner.model.modules()
+                                  if isinstance(m, FusedMoE)), None),
         # Each rank holds this many tokens of KV for its own heads.
         "kv_pool_per_rank": {
             "tokens": info.max_total_num_tokens,

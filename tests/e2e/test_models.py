@@ -149,18 +149,27 @@ def test_greedy_equals_transformers(checkpoints: Any, name: str) -> None:
         srv.stop()
 
 
-@pytest.mark.parametrize("name,tp", [("phi3", 1), ("phi3", 2), ("phi3_partial", 2),
-                                     ("qwen3_moe", 1), ("qwen3_moe", 2), ("qwen2_moe", 1),
-                                     ("qwen2_moe", 2)])
-def test_48_steps_equal_transformers(checkpoints: Any, name: str, tp: int) -> None:
+@pytest.mark.parametrize("name,flags", [
+    ("phi3", []), ("phi3", ["--tp-size", "2"]), ("phi3_partial", ["--tp-size", "2"]),
+    ("qwen3_moe", []), ("qwen3_moe", ["--tp-size", "2"]),
+    ("qwen3_moe", ["--tp-size", "2", "--ep-size", "2"]),
+    ("qwen2_moe", []), ("qwen2_moe", ["--tp-size", "2"]),
+    ("qwen2_moe", ["--tp-size", "2", "--ep-size", "2"]),
+], ids=["phi3-tp1", "phi3-tp2", "phi3_partial-tp2", "qwen3_moe-tp1", "qwen3_moe-tp2",
+        "qwen3_moe-ep2", "qwen2_moe-tp1", "qwen2_moe-tp2", "qwen2_moe-ep2"])
+def test_48_steps_equal_transformers(checkpoints: Any, name: str, flags: list[str]) -> None:
     """Phi-3's fused qkv / gate_up checkpoints (split as they load, so each rank reads its
     shard), LongRoPE's short factors and attention factor, a partial rotary factor; Qwen3-MoE
-    and Qwen2-MoE (experts sharded under TP, the shared expert and its gate): 48 greedy tokens
-    and the logprobs of transformers, at --tp-size 1 and 2 (gloo)."""
+    and Qwen2-MoE (experts sliced under TP, or whole experts split over the ranks with
+    --ep-size; the shared expert and its gate): 48 greedy tokens and the logprobs of
+    transformers, at --tp-size 1 and 2 (gloo)."""
     path, _ = checkpoints(name)
-    srv = _serve(path, "--tp-size", str(tp))
+    srv = _serve(path, *flags)
     try:
         _check(srv, hf_reference(path, PROMPTS, 48), new=48)
+        if "moe" in name:  # 4 experts: whole, 2 a rank, with --ep-size 2
+            info = srv.server_info()
+            assert info["experts_per_rank"] == (2 if "--ep-size" in flags else 4), info
         srv.assert_kv_invariant()
     finally:
         srv.stop()
