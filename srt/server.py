@@ -47,7 +47,7 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor, lifecycle: Any
     from srt.http import layer as http_layer
     from srt.http.errors import error_event
     from srt.http.lifecycle import beat_forever
-    from srt.managers import tokenize_api
+    from srt.managers import embeddings_api, tokenize_api
     from srt.managers.openai_api import OpenAIAdapter
     from srt.managers.request_types import RequestError, ServerFailure
     from srt.watchdog import Heartbeat
@@ -137,8 +137,42 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor, lifecycle: Any
     async def detokenize(request: Request) -> Any:
         return tokenize_api.detokenize(openai, await read_json(request))
 
+    def _serves(embeddings: bool, route: str) -> None:
+        """A route of the other kind of server is a 400 that says which flag makes it."""
+        if args.is_embedding != embeddings:
+            raise RequestError(
+                f"{route} is not served: this server serves "
+                + ("embeddings (started with --is-embedding: POST /v1/embeddings, /encode)"
+                   if args.is_embedding else "generated text (start it with --is-embedding "
+                   "for embeddings)"), None, "unsupported_route")
+
+    async def _embeddings(request: Request, body: dict[str, Any]) -> Any:
+        http.admit("/generate", body)
+        parsed = tm.parse_generate_request(body)
+        tm.submit(parsed)
+        return parsed, await tm.wait_all(parsed, request.is_disconnected)
+
+    @app.post("/encode")
+    async def encode(request: Request) -> Any:
+        _serves(True, "/encode")
+        parsed, results = await _embeddings(request, embeddings_api.encode_body(
+            await read_json(request)))
+        if results is None:
+            return JSONResponse({"status": "client disconnected"}, status_code=499)
+        return results if parsed.is_batch else results[0]
+
+    @app.post("/v1/embeddings")
+    async def v1_embeddings(request: Request) -> Any:
+        _serves(True, "/v1/embeddings")
+        body, _, fmt, dims = embeddings_api.openai_body(await read_json(request), openai.model)
+        _, results = await _embeddings(request, body)
+        if results is None:
+            return JSONResponse({"status": "client disconnected"}, status_code=499)
+        return embeddings_api.openai_answer(results, openai.model, fmt, dims)
+
     @app.post("/v1/completions")
     async def v1_completions(request: Request) -> Any:
+        _serves(False, "/v1/completions")
         body = await read_json(request)
         http.admit("/v1/completions", body)
         parsed, c = openai.parse_completion(body)
@@ -146,6 +180,7 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor, lifecycle: Any
 
     @app.post("/v1/chat/completions")
     async def v1_chat_completions(request: Request) -> Any:
+        _serves(False, "/v1/chat/completions")
         body = await read_json(request)
         http.admit("/v1/chat/completions", body)
         parsed, c = openai.parse_chat(body)
@@ -167,6 +202,7 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor, lifecycle: Any
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
+        _serves(False, "/generate")
         body = await read_json(request)
         http.admit("/generate", body)
         parsed = tm.parse_generate_request(body)

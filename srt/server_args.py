@@ -90,6 +90,10 @@ class ServerArgs(SpeculativeArgs):
         "at most a fill of this size; with none decoding, --chunked-prefill-size applies. "
         "Smaller bounds the streams' longest gap and costs long-prompt throughput. -1: no "
         "separate cap.")
+    is_embedding: bool = _f(
+        False, "Serve embeddings (/v1/embeddings, /encode): each input's vector pooled from the "
+        "model's last hidden states as its sentence-transformers configuration says (default: "
+        "the last token's, normalized); the text routes answer 400.")
     ep_size: int = _f(
         1, "Expert parallelism: 1 shards every expert of a mixture of experts over the "
         "--tp-size ranks (slices of its intermediate size); equal to --tp-size, each rank "
@@ -322,6 +326,9 @@ class ServerArgs(SpeculativeArgs):
         if self.ep_size not in (1, self.tp_size):
             raise ValueError(f"--ep-size must be 1 or --tp-size ({self.tp_size}): experts are "
                              "split over the tensor-parallel ranks")
+        if self.is_embedding and self.speculative_algorithm is not None:
+            raise ValueError("--is-embedding serves no generated tokens: speculative decoding "
+                             "does not apply")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
         if self.jump_forward_min_tokens < 1:

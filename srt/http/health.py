@@ -37,7 +37,8 @@ class ReadinessProbe:
     async def _run(self) -> tuple[bool, str]:
         parsed = self.tm.parse_generate_request({
             "input_ids": [0], "rid": f"health-probe-{uuid.uuid4().hex}",
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}})
+            "sampling_params": {"max_new_tokens": 0 if self.tm.args.is_embedding else 1,
+                                "temperature": 0, "ignore_eos": True}})
 
         async def never_disconnected() -> bool:
             return False

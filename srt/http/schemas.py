@@ -140,6 +140,20 @@ class DetokenizeBody(_Strict):
     skip_special_tokens: bool | None = None
 
 
+class EmbeddingsBody(_Strict):
+    model: str
+    input: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+
+class EncodeBody(_Strict):
+    text: Union[str, list[str], None] = None
+    input_ids: Union[list[TokenId], list[list[TokenId]], None] = None
+    rid: str | None = None
+
+
 class AbortBody(BaseModel):
     rid: str = Field(min_length=1)
 
@@ -162,6 +176,8 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("POST", "/abort_request"): AbortBody,
     ("POST", "/tokenize"): TokenizeBody,
     ("POST", "/detokenize"): DetokenizeBody,
+    ("POST", "/v1/embeddings"): EmbeddingsBody,
+    ("POST", "/encode"): EncodeBody,
 }
 
 

@@ -64,6 +64,7 @@ class DetokenizerManager:
             spec=o.spec,
             input_logprobs=self._with_texts(o.input_logprobs, o.return_text_in_logprobs),
             output_logprobs=self._with_texts(o.output_logprobs, o.return_text_in_logprobs),
+            embedding=o.embedding,
         )
 
     def _with_texts(self, lp: TokenLogprobs | None, want: bool) -> TokenLogprobs | None:

@@ -193,6 +193,8 @@ class TokenOut:
     input_logprobs: TokenLogprobs | None = None
     output_logprobs: TokenLogprobs | None = None
     return_text_in_logprobs: bool = False
+    # --is-embedding: the request's vector, with its last TokenOut
+    embedding: list[float] | None = None
 
 
 @message
@@ -247,6 +249,7 @@ class StrOut:
     # As in TokenOut (new entries only), with texts when the request asked for them.
     input_logprobs: TokenLogprobs | None = None
     output_logprobs: TokenLogprobs | None = None
+    embedding: list[float] | None = None  # --is-embedding
 
 
 @message

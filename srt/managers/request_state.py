@@ -98,6 +98,8 @@ class ReqState:
             meta.update(spec_meta(out.spec, out.completion_tokens))
         if self.logprobs is not None:
             meta.update(self.logprobs.meta())
+        if out.embedding is not None:  # --is-embedding (SGLang's /encode answer)
+            return {"embedding": out.embedding, "meta_info": meta}
         return {"text": out.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 

@@ -49,6 +49,8 @@ class StepResult:
     ids: list[int]
     prompt_logprobs: list[TokenLogprobs | None]
     output_logprobs: list[TokenLogprobs | None]
+    # --is-embedding: each request's pooled rows of the step, [requests, H] float32 on the host
+    pooled: torch.Tensor | None = None
 
 
 @dataclass
@@ -63,10 +65,17 @@ class InFlight:
     start: torch.cuda.Event | None = None  # recorded before the step's first device work
     prev_end: torch.cuda.Event | None = None  # the end of the step launched before it
     result: StepResult | None = None
+    pooled: torch.Tensor | None = None  # --is-embedding: the pooled rows, copied to the host
 
     def wait(self) -> StepResult:
         """Block until the step's ids (and logprobs) are on the host; idempotent."""
         if self.result is not None:
+            return self.result
+        if self.pooled is not None:
+            if self.done is not None:
+                self.done.synchronize()
+            none: list[TokenLogprobs | None] = [None] * len(self.plan.reqs)
+            self.result = StepResult([0] * len(self.plan.reqs), none, list(none), self.pooled)
             return self.result
         if self.logprobs is not None:
             ids, prompt, out = self.logprobs.collect()
@@ -163,6 +172,8 @@ class StepExecutor:
             fb.prompt_logprobs = lps.prompt_request
         self.timer.mark("prepare")
         logits = self.runner.forward(fb)
+        if self.runner.pooling is not None:
+            return self._pooled_step(plan, logits, start)
         req_rows = t.req_pool_indices
         select = None
         if plan.sample_rows is not None:
@@ -226,6 +237,23 @@ class StepExecutor:
         self._last_end = end
         self.timer.mark("sample")
         return inflight
+
+    def _pooled_step(self, plan: StepPlan, pooled: torch.Tensor,
+                     start: torch.cuda.Event | None) -> InFlight:
+        """--is-embedding: a fill step's pooled rows (nothing is sampled) on their way to the
+        host."""
+        done = None
+        host = pooled
+        if pooled.is_cuda:
+            host = torch.empty(pooled.shape, dtype=pooled.dtype, pin_memory=True)
+            host.copy_(pooled, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        for r in plan.reqs:
+            r.forward_passes += 1
+            r.in_flight += 1
+        self.timer.mark("sample")
+        return InFlight(plan, host, done, None, self.timer, start, self._last_end, pooled=host)
 
     def set_last_ids(self, rows: list[int], ids: list[int]) -> None:
         """Each row's last sampled id on the device, where the host decided it (after a

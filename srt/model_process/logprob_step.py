@@ -41,6 +41,8 @@ class _PromptSpan:
 
 def prefix_limit(req: Req) -> int:
     """How many leading tokens of the request may come from the radix cache at this fill."""
+    if req.pool_all:
+        return 0  # an embedding pooled over every token: all of them computed
     limit = len(req.fill_ids) - 1  # at least one token is computed: its logits give the next
     if req.wants_prompt_logprobs:
         limit = min(limit, max(req.logprob.logprob_start_len - 1, 0))

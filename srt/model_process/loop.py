@@ -27,6 +27,7 @@ freed and its token dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from typing import Any, Callable
@@ -173,6 +174,10 @@ class ModelProcess:
     def _add_request(self, r: TokenizedGenerateReq) -> None:
         self.arrivals += 1
         req = new_req(r, self.arrivals, self.config)
+        pooling = self.runner.pooling
+        if pooling is not None:  # an embedding: its prompt computed, nothing generated
+            req.sampling_params = dataclasses.replace(req.sampling_params, max_new_tokens=0)
+            req.pool_all = pooling.mode != "last"
         if req.sampling_params.constraint is not None:
             req.grammar_future = self.constraints.compile(req.sampling_params)
         self.waiting.append(req)
@@ -415,6 +420,8 @@ class ModelProcess:
             if r.finished:  # finished after this step was launched: its slot was freed then
                 continue
             if i < n_fill:
+                if res.pooled is not None:
+                    self._pool(r, res.pooled[i])
                 if prompt_lp is not None:
                     if r.input_logprobs is None:
                         r.input_logprobs = prompt_lp
@@ -433,6 +440,8 @@ class ModelProcess:
             live.append(r)
             if i < n_fill:
                 if r.sampling_params.max_new_tokens == 0 and not r.output_ids:
+                    if r.pooled is not None:
+                        r.embedding = self._embedding(r)
                     r.end(FinishReason.of_length(0))
                     continue
             self.output.append(r, tok, out_lp, dead_end=False)
@@ -447,6 +456,21 @@ class ModelProcess:
         self.waiting[:0] = chunked
         for r in live:
             self._settle(r, outs, deferred)
+
+    def _pool(self, r: Req, rows: torch.Tensor) -> None:
+        """--is-embedding: one fill's pooled rows of `r` (a chunk's sum, or its last row)."""
+        keep = self.runner.pooling is not None and self.runner.pooling.mode == "last"
+        r.pooled = rows.clone() if keep or r.pooled is None else r.pooled + rows
+
+    def _embedding(self, r: Req) -> list[float]:
+        """The finished vector: the mean over the prompt where pooled so, normalized where the
+        model's configuration says."""
+        pooling = self.runner.pooling
+        assert pooling is not None and r.pooled is not None
+        v = r.pooled / len(r.origin_input_ids) if pooling.mode == "mean" else r.pooled
+        if pooling.normalize:
+            v = v / v.norm().clamp_min(1e-12)
+        return v.tolist()
 
     def release_chunked(self) -> bool:
         """Let the request between prefill chunks give up its row and lock (its computed KV

@@ -16,6 +16,7 @@ import torch
 
 from srt import cpu_threads
 from srt.layers import parallel_state
+from srt.layers.pooler import PoolingConfig
 from srt.layers.attention import create_step_backends, resolve_step_backends
 from srt.layers.forward_batch import ForwardBatch, forward_context
 from srt.layers.kv_cache_dtype import resolve_kv_cache_dtype
@@ -101,6 +102,16 @@ class ModelRunner:
         torch.manual_seed(args.random_seed or 0)
         self.quantization: str | None = None  # of the weights, once loaded
         self.model = self._load_model()
+        # --is-embedding: the model's forward pools its hidden states (srt/layers/pooler.py)
+        self.pooling: PoolingConfig | None = None
+        if args.is_embedding:
+            if not hasattr(self.model, "pooling"):
+                raise ValueError(f"--is-embedding: {config.architecture} has no text decoder "
+                                 "to pool (Llama-shaped text models only)")
+            self.pooling = PoolingConfig.load(args.model_path)
+            self.model.pooling = self.pooling.mode
+            logger.info("embeddings: %s-token pooling%s", self.pooling.mode,
+                        ", normalized" if self.pooling.normalize else "")
         if args.enable_custom_all_reduce:
             parallel_state.init_one_shot_all_reduce(ONE_SHOT_MAX_BYTES, self.dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -171,7 +182,8 @@ class ModelRunner:
         self.sampler_generator = torch.Generator(device=self.device)
         self.sampler_generator.manual_seed(args.random_seed or 0)
         self.graph_runner: CudaGraphRunner | None = None
-        if self.device.type == "cuda" and not args.disable_cuda_graph and self.use_cuda_graphs:
+        if self.device.type == "cuda" and not args.disable_cuda_graph and self.use_cuda_graphs \
+                and not args.is_embedding:  # (embeddings never decode)
             if self.attn_backend.supports_cuda_graph:
                 self.graph_runner = CudaGraphRunner(
                     self, min(args.cuda_graph_max_bs, self.max_running_requests),

@@ -108,4 +108,5 @@ class OutputProcessor:
             input_logprobs=in_lp,
             output_logprobs=out_lp,
             return_text_in_logprobs=r.logprob is not None and r.logprob.return_text_in_logprobs,
+            embedding=r.embedding,
         )

@@ -126,6 +126,12 @@ class Req:
     # (a request whose drafts keep failing decodes plainly, overlapped, and tries again later).
     draft_misses: int = 0
     draft_backoff: int = 0
+    # --is-embedding: its pooled hidden states so far (summed over chunks where every token
+    # counts: `pool_all`, whose prompt is then computed whole, not read from the radix cache),
+    # and the finished vector
+    pool_all: bool = False
+    pooled: torch.Tensor | None = None
+    embedding: list[float] | None = None
 
     @property
     def grammar_pending(self) -> bool:

@@ -32,7 +32,9 @@ def warm_up(p: ModelProcess) -> None:
     def ids(mult: int, length: int) -> list[int]:
         return [(mult * i + mult) % vocab for i in range(length)]
 
-    params = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 3, "ignore_eos": True}
+    embedding = p.args.is_embedding  # (no decode steps then)
+    params = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 0 if embedding else 3,
+              "ignore_eos": True}
     first = ids(7, n)
     rounds = [[first, ids(11, n // 2 + 1), ids(13, n // 3)],          # PREFILL, 3 prompts
               [first[: n // 2] + ids(17, n // 4 + 1), ids(19, n // 5)]]  # EXTEND, mixed
@@ -46,7 +48,7 @@ def warm_up(p: ModelProcess) -> None:
             p.step(StepInput())
         else:
             raise RuntimeError("warm-up requests did not finish in 100 rounds")
-    warm = getattr(p.runner.attn_backend, "warm_up_eager_decode", None)
+    warm = None if embedding else getattr(p.runner.attn_backend, "warm_up_eager_decode", None)
     if warm is not None:
         warm(p.kv.req_pool.req_to_token, *p.kv.pool.get_kv_buffer(0))
     p.kv.tree.reset()

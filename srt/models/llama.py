@@ -19,6 +19,7 @@ from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from srt.layers.logits_processor import LogitsProcessor
 from srt.layers.moe import SparseMoeBlock
+from srt.layers.pooler import pool_rows
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary import RotaryEmbedding
 from srt.model_config import rope_params, rotary_dim
@@ -202,6 +203,8 @@ class LlamaForCausalLM(nn.Module):
         # inputs of those layers side by side (EAGLE3).
         self.capture_hidden: tuple[int, ...] | None = None
         self.spec_hidden: torch.Tensor | None = None
+        # --is-embedding: forward returns each request's pooled hidden state instead of logits
+        self.pooling: str | None = None
 
     def lm_head_weight(self) -> torch.Tensor:
         if self.tie_word_embeddings:
@@ -209,7 +212,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Float32 logits [batch, vocab] for each request's next token."""
+        """Float32 logits [batch, vocab] for each request's next token (with `pooling`, its
+        pooled hidden state [batch, H] instead: srt.layers.pooler.pool_rows)."""
+        if self.pooling is not None:
+            return pool_rows(self.model(fb.input_ids, fb.positions), fb.extend_lens_cpu,
+                             fb.prefix_lens_cpu, self.pooling)
         if self.capture_hidden is None:
             hidden = self.model(fb.input_ids, fb.positions)
         else:
