@@ -80,6 +80,7 @@ class VerifyRows:
     # scratch rows to write before the step: (dst, src, prefix, (row, column, slot) cells)
     fork: tuple[np.ndarray, np.ndarray, int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None \
         = None
+    chains: list[bool] | None = None  # per request: its drafts are a chain (no fork, no move)
 
     @property
     def draft_next(self) -> np.ndarray:
@@ -271,7 +272,7 @@ class Batch:
         back to what was accepted and frees the rest. The ids must be on the host (no step in
         flight). `matchers`: each row's grammar state (a constrained request's rows differ)."""
         if parents is None:
-            parents = [chain_parents(len(d)) for d in drafts]
+            return self._prepare_chains(slots, drafts, matchers)
         input_ids: list[int] = []
         counts = np.array([1 + len(d) for d in drafts], dtype=np.int64)
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
@@ -321,7 +322,31 @@ class Batch:
                     int(self.kv_lens.max()), (c[0], c[1], c[2]))
         self.kv_lens += counts
         verify = VerifyRows(drafts, parents, starts.tolist(), row_reqs, depth, children,
-                            matchers, fork)
+                            matchers, fork,
+                            [p == chain_parents(len(p)) for p in parents])
         return StepPlan(ForwardMode.DECODE, list(self.reqs), positions, rows, positions + 1,
                         positions.tolist(), [1] * len(positions), slots, input_ids=input_ids,
                         verify=verify)
+
+    def _prepare_chains(self, slots: torch.Tensor, drafts: list[list[int]],
+                        matchers: list[Any] | None) -> StepPlan:
+        """`prepare_verify` where every request's drafts are a chain: its rows at consecutive
+        positions of its own row, laid out with array operations."""
+        input_ids: list[int] = []
+        counts = np.array([1 + len(d) for d in drafts], dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
+        positions = np.repeat(self.kv_lens, counts) + offsets
+        children = np.full((len(positions), 1), -1, dtype=np.int64)
+        row_reqs: list[Req] = []
+        for i, (r, d) in enumerate(zip(self.reqs, drafts)):
+            input_ids.append(r.fill_ids[-1])
+            input_ids.extend(d)
+            children[starts[i] : starts[i] + len(d), 0] = d
+            row_reqs.extend([r] * (1 + len(d)))
+        self.kv_lens += counts
+        verify = VerifyRows(drafts, [chain_parents(len(d)) for d in drafts], starts.tolist(),
+                            row_reqs, offsets, children, matchers, None, [True] * len(drafts))
+        return StepPlan(ForwardMode.DECODE, list(self.reqs), positions,
+                        np.repeat(self.rows, counts), positions + 1, positions.tolist(),
+                        [1] * len(positions), slots, input_ids=input_ids, verify=verify)

@@ -40,7 +40,7 @@ from srt.managers.io_struct import (AbortReq, BatchTokenIdOut, FlushCacheReq, Ge
                                     StatsOut, StepInput, StepOutput, TokenizedGenerateReq,
                                     TokenOut)
 from srt.model_config import ModelConfig
-from srt.model_process.batch import Batch, StepPlan, chain_parents
+from srt.model_process.batch import Batch, StepPlan
 from srt.model_process.constraints import ConstraintManager
 from srt.model_process.executor import InFlight, StepExecutor
 from srt.model_process.intake import flush_cache, new_req
@@ -361,7 +361,7 @@ class ModelProcess:
             keep = np.zeros(1 + len(draft), dtype=bool)
             keep[0] = True
             keep[[1 + n for n in path]] = True
-            if path and v.parents[i] != chain_parents(len(draft)):  # (a chain's path is there)
+            if path and not (v.chains and v.chains[i]):  # (a chain's path is there already)
                 spans.append((r.req_pool_idx, base + 1, mine[[1 + n for n in path]]))
             gone.append(mine[torch.from_numpy(~keep)])
             live.append(r)

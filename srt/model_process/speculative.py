@@ -40,7 +40,7 @@ import torch
 
 from srt.constrained.grammar import Matcher
 from srt.managers.io_struct import SpecCounts
-from srt.model_process.batch import Batch
+from srt.model_process.batch import Batch, chain_parents
 from srt.model_process.ngram import NgramProposer
 from srt.model_process.req import Req
 from srt.server_args import ServerArgs
@@ -184,7 +184,7 @@ class Speculator:
                     m = [None] * (1 + len(d))
                 else:
                     d, m = grammar_rows(r.matcher, self.proposer.propose(r, k) if k else [])
-                    par = list(range(-1, len(d) - 1))
+                    par = chain_parents(len(d))
                 drafts.append(d)
                 shapes.append(par)
                 rows.extend(m)
@@ -227,7 +227,7 @@ class Speculator:
                 nodes = path[: len(kept)]
                 rows.extend(m)
                 if parents is not None:
-                    parents[i] = list(range(-1, len(nodes) - 1))  # now a chain
+                    parents[i] = chain_parents(len(nodes))  # now a chain
             drafts.append([d[j] for j in nodes])
             keep[start] = True
             keep[[start + 1 + j for j in nodes]] = True
