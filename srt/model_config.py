@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,15 +43,6 @@ class ModelConfig:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         ctx = context_length or getattr(text, "max_position_embeddings", None) or 2048
         window = sliding_window(text)
-        if window is not None and ctx > window:
-            # No backend restricts attention to a window; within the window full attention is
-            # the same thing, so the context is capped there and longer requests get a 400.
-            logger.warning(
-                "the model uses sliding-window attention (window %d), which srt does not "
-                "implement: the context length is capped at %d tokens (was %d); longer "
-                "requests are refused", window, window, ctx,
-            )
-            ctx = window
         eos: set[int] = set()
         for src in (cfg, text, _generation_config(path, GenerationConfig)):
             value = getattr(src, "eos_token_id", None) if src is not None else None
@@ -116,12 +105,23 @@ def _generation_config(path: str, gen_cls: Any) -> Any:
 
 
 def sliding_window(hf_config: Any) -> int | None:
-    """The attention window of a config that uses one (Mistral, Mixtral; Qwen2/3 only when
-    `use_sliding_window` is set), else None."""
+    """The attention window of a config that uses one (Mistral, Mixtral, Gemma 2/3; Qwen2/3
+    only when `use_sliding_window` is set), else None. Which layers use it:
+    `layer_window`."""
     window = getattr(hf_config, "sliding_window", None)
     if not window or getattr(hf_config, "use_sliding_window", True) is False:
         return None
     return int(window)
+
+
+def layer_window(hf_config: Any, layer_id: int) -> int | None:
+    """The window of one layer: the config's, on the layers `layer_types` marks
+    "sliding_attention" (every layer of a config without `layer_types`, as Mistral's)."""
+    window = sliding_window(hf_config)
+    types = getattr(hf_config, "layer_types", None)
+    if window is None or (types and types[layer_id] != "sliding_attention"):
+        return None
+    return window
 
 
 def rope_params(hf_config: Any) -> tuple[float, dict[str, Any] | None]:

@@ -1,4 +1,5 @@
-"""SiLU-and-mul: the gated activation of Llama-style MLPs over a merged gate/up projection."""
+"""The gated activations over a merged gate/up projection: SiLU-and-mul (Llama-style MLPs) and
+GELU-and-mul with the tanh approximation (Gemma's `gelu_pytorch_tanh`)."""
 
 from __future__ import annotations
 
@@ -15,3 +16,11 @@ class SiluAndMul(nn.Module):
             return kernels().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """gelu(gate, tanh approximation) * up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -20,9 +20,11 @@ _PROMPT_CHUNK_ELEMENTS = 1 << 25
 
 
 class LogitsProcessor(nn.Module):
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, soft_cap: float | None = None) -> None:
+        """`soft_cap` c: logits become c * tanh(logits / c) (Gemma 2's final soft-capping)."""
         super().__init__()
         self.vocab_size = vocab_size
+        self.soft_cap = float(soft_cap or 0.0)
 
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
@@ -37,7 +39,10 @@ class LogitsProcessor(nn.Module):
     def _logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         logits = torch.matmul(hidden, lm_head_weight.t())
         logits = ps.all_gather_last_dim(logits)
-        return logits[:, : self.vocab_size].float()
+        logits = logits[:, : self.vocab_size].float()
+        if self.soft_cap:
+            logits = self.soft_cap * torch.tanh(logits / self.soft_cap)
+        return logits
 
     def _prompt_logprobs(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                          req: PromptLogprobRequest) -> None:

@@ -17,14 +17,20 @@ from srt.layers.rotary import RotaryEmbedding
 
 class RadixAttention(nn.Module):
     def __init__(
-        self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int
+        self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
+        sliding_window: int | None = None, logit_cap: float = 0.0,
     ) -> None:
+        """`sliding_window` W: a query at position p sees the keys at p - W + 1 .. p only
+        (transformers' sliding-window mask), None: all before it. `logit_cap` c > 0: each
+        scaled score s becomes c * tanh(s / c) before the softmax (Gemma 2's soft-capping)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = scaling
         self.layer_id = layer_id
+        self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
+        self.logit_cap = float(logit_cap or 0.0)
         # Per-tensor scales of an FP8 KV cache (srt/layers/kv_cache_dtype.py): stored = k /
         # k_scale. From the checkpoint's k_scale / v_scale when it has them.
         self.k_scale = 1.0

@@ -162,11 +162,6 @@ def _check_pair(target: ModelConfig, draft: ModelConfig) -> None:
     if draft.image_token_id is not None:
         raise ValueError(f"{where}: the draft must be a text-only causal LM "
                          f"({draft.architecture} takes images)")
-    if draft.context_len < target.context_len:
-        raise ValueError(f"{where}: the draft's context ({draft.context_len} tokens"
-                         f"{', its sliding window' if draft.sliding_window else ''}) is shorter "
-                         f"than the target's ({target.context_len}); serve a shorter "
-                         f"--context-length")
     # A draft's embedding may be padded past the tokenizer (or the target's): ids beyond the
     # target's vocabulary are never drafted. A much smaller one is another tokenizer.
     if draft.vocab_size < 0.9 * target.vocab_size:

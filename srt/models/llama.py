@@ -22,7 +22,7 @@ from srt.layers.moe import SparseMoeBlock
 from srt.layers.pooler import pool_rows
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary import RotaryEmbedding
-from srt.model_config import rope_params, rotary_dim
+from srt.model_config import layer_window, rope_params, rotary_dim
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,13 @@ def qwen_moe_layer(config: Any, layer_id: int) -> bool:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False,
+                 act: nn.Module | None = None) -> None:
+        """`act`: the gated activation over [gate, up] (default SiLU-and-mul)."""
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
-        self.act = SiluAndMul()
+        self.act = act if act is not None else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -78,7 +80,8 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(head_dim, max_position, theta, scaling,
                                           rotary_dim(config, head_dim))
         self.attn = RadixAttention(
-            self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_id
+            self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_id,
+            sliding_window=layer_window(config, layer_id),
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -128,6 +131,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def __init__(self, config: Any, max_position: int, opts: ArchOptions) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -145,7 +151,7 @@ class LlamaModel(nn.Module):
         wrote image features into some rows). `aux`: receives the input of each layer of
         `aux_layers` (the residual stream, EAGLE3's features; the number of layers: the last
         layer's output before the final norm)."""
-        x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        x = self.embed(input_ids) if input_embeds is None else input_embeds
         residual = None
         for i, layer in enumerate(self.layers):
             if i in aux_layers and aux is not None:

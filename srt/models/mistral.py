@@ -1,6 +1,5 @@
-"""Mistral: the Llama decoder. Its `sliding_window` is honoured by capping the context length at
-the window (see `srt.model_config.sliding_window`): within the window, sliding-window attention
-equals full attention, and longer requests are refused with a 400."""
+"""Mistral: the Llama decoder. Its `sliding_window` W is kept by every attention backend: a
+query sees the W keys up to and including its own (`srt.model_config.layer_window`)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 
 _MODELS: dict[str, str] = {
+    "Gemma2ForCausalLM": "srt.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "srt.models.gemma:Gemma3ForCausalLM",
     "LlamaForCausalLM": "srt.models.llama:LlamaForCausalLM",
     "LlavaForConditionalGeneration": "srt.models.llava:LlavaForConditionalGeneration",
     "MistralForCausalLM": "srt.models.mistral:MistralForCausalLM",

@@ -73,6 +73,17 @@ def test_step_backend_resolution() -> None:
     # an FP8 KV cache: auto stays on Triton for every step
     assert resolve_step_backends("auto", None, None, "cuda", fp8_kv=True) == ("triton", "triton")
     assert resolve_step_backends("triton", None, None, "cuda", fp8_kv=True) == ("triton", "triton")
+    # sliding windows / soft-capped scores (Mistral, Gemma 2): the same
+    assert resolve_step_backends("auto", None, None, "cuda", windows=True) == ("triton", "triton")
+    # and the flashinfer backend itself refuses such layers
+    from srt.layers.attention.flashinfer_backend import refuse_windows_and_caps
+    from srt.layers.radix_attention import RadixAttention
+
+    refuse_windows_and_caps("LlamaForCausalLM", [RadixAttention(4, 8, 0.3, 2, 0)])
+    for layer in (RadixAttention(4, 8, 0.3, 2, 0, sliding_window=16),
+                  RadixAttention(4, 8, 0.3, 2, 0, logit_cap=50.0)):
+        with pytest.raises(ValueError, match="use --attention-backend triton"):
+            refuse_windows_and_caps("Gemma2ForCausalLM", [layer])
 
 
 def test_flashinfer_on_cpu_is_a_clear_startup_error(tiny_llama: str) -> None:

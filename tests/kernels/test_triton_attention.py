@@ -66,9 +66,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def reference(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, pre: int,
-              scale: float) -> torch.Tensor:
+              scale: float, window: int | None = None, cap: float = 0.0) -> torch.Tensor:
     """q: [ext, H, D] at positions pre..pre+ext-1; ctx_k/v: [seq, Hkv, D] -> [ext, H, D] float64.
-    Causal softmax attention, query head h reads KV head h // (H // Hkv)."""
+    Causal softmax attention, query head h reads KV head h // (H // Hkv); with `window` W a
+    query at p sees keys p - W + 1 .. p; `cap` c > 0: scores s become c * tanh(s / c)."""
     ext, heads, _ = q.shape
     seq, kv_heads, _ = ctx_k.shape
     group = heads // kv_heads
@@ -76,8 +77,13 @@ def reference(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, pre: in
     kd = ctx_k.double().repeat_interleave(group, 1).transpose(0, 1)  # [H, seq, D]
     vd = ctx_v.double().repeat_interleave(group, 1).transpose(0, 1)
     scores = qd @ kd.transpose(1, 2) * scale  # [H, ext, seq]
-    visible = torch.arange(seq, device=q.device)[None, :] <= (
-        pre + torch.arange(ext, device=q.device))[:, None]
+    if cap:
+        scores = cap * torch.tanh(scores / cap)
+    keys = torch.arange(seq, device=q.device)[None, :]
+    pos = (pre + torch.arange(ext, device=q.device))[:, None]
+    visible = keys <= pos
+    if window:
+        visible &= keys > pos - window
     scores = scores.masked_fill(~visible, float("-inf"))
     return (scores.softmax(-1) @ vd).transpose(0, 1)
 
@@ -208,7 +214,8 @@ def test_prefill_poisoned_output_is_detected() -> None:
 
 def run_extend_case(prefix_lens: list[int], extend_lens: list[int], heads: int, kv_heads: int,
                     d: int, dtype: torch.dtype, seed: int, idx_dtype: torch.dtype = torch.int32,
-                    ref=reference, **blocks: int) -> float:
+                    ref=reference, window: int | None = None, cap: float = 0.0,
+                    **blocks: int) -> float:
     g = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     # only the prefixes are in the pool: the new tokens must come from k_extend / v_extend
@@ -221,9 +228,11 @@ def run_extend_case(prefix_lens: list[int], extend_lens: list[int], heads: int, 
     scale = d ** -0.5
     extend_attention_fwd(q, k_ext, v_ext, o, pool.k_buffer, pool.v_buffer, pool.req_to_token,
                          pool.rows, ivec(prefix_lens, idx_dtype), ivec(extend_lens, idx_dtype),
-                         ivec(starts, idx_dtype), max(extend_lens), scale, **blocks)
-    want = torch.cat([ref(q[s:s + e], pool.ctx_k[i], pool.ctx_v[i], prefix_lens[i], scale)
-                      for i, (s, e) in enumerate(zip(starts, extend_lens))])
+                         ivec(starts, idx_dtype), max(extend_lens), scale,
+                         sliding_window=window, logit_cap=cap, **blocks)
+    extra = dict(window=window, cap=cap) if window or cap else {}
+    want = torch.cat([ref(q[s:s + e], pool.ctx_k[i], pool.ctx_v[i], prefix_lens[i], scale,
+                          **extra) for i, (s, e) in enumerate(zip(starts, extend_lens))])
     return rel_err(o, want)
 
 
@@ -242,21 +251,35 @@ def test_extend_default_tiles(dtype: torch.dtype) -> None:
     assert err < TOL[dtype], err
 
 
+@pytest.mark.parametrize("window,cap", [(5, 0.0), (17, 0.0), (1, 0.0), (9, 0.3), (None, 0.3)])
+def test_extend_sliding_window_and_soft_cap(window: int | None, cap: float) -> None:
+    """Windows shorter than tiles, across the prefix / new-token boundary and wider than
+    some contexts (rows that see no key of a whole tile); a cap small enough to bite
+    (random scores are mostly beyond it)."""
+    err = run_extend_case([0, 13, 30, 5, 40], [5, 1, 24, 17, 3], 4, 2, 64, torch.float32,
+                          seed=window or 3, window=window, cap=cap, block_m=16,
+                          block_n=SMALL_BLOCK_N)
+    assert err < TOL[torch.float32], err
+
+
 # ====================================================================== decode
 
 
 def run_decode_case(seq_lens: list[int], heads: int, kv_heads: int, d: int, dtype: torch.dtype,
                     num_kv_splits: int, seed: int, idx_dtype: torch.dtype = torch.int32,
                     ref=reference, workspace: torch.Tensor | None = None,
-                    **blocks: int) -> float:
+                    window: int | None = None, cap: float = 0.0, **blocks: int) -> float:
     g = torch.Generator().manual_seed(seed)
     pool = make_pool(seq_lens, seq_lens, kv_heads, d, dtype, g, idx_dtype)
     q, _, _ = fused_qkv(len(seq_lens), heads, kv_heads, d, dtype, g)
     o = torch.full(q.shape, NAN, dtype=dtype, device=DEV)
     scale = d ** -0.5
+    extra = dict(sliding_window=window, logit_cap=cap) if window or cap else {}
     decode_attention_fwd(q, pool.k_buffer, pool.v_buffer, o, pool.req_to_token, pool.rows,
-                         ivec(seq_lens, idx_dtype), scale, num_kv_splits, workspace, **blocks)
-    want = torch.cat([ref(q[i:i + 1], pool.ctx_k[i], pool.ctx_v[i], n - 1, scale)
+                         ivec(seq_lens, idx_dtype), scale, num_kv_splits, workspace, **extra,
+                         **blocks)
+    ref_extra = dict(window=window, cap=cap) if window or cap else {}
+    want = torch.cat([ref(q[i:i + 1], pool.ctx_k[i], pool.ctx_v[i], n - 1, scale, **ref_extra)
                       for i, n in enumerate(seq_lens)])
     return rel_err(o, want)
 
@@ -273,6 +296,18 @@ def test_decode_matches_reference(dtype: torch.dtype, d: int, splits: int) -> No
     err = run_decode_case(lens, 4, 2, d, dtype, splits, seed=d * splits, idx_dtype=idx,
                           workspace=ws, block_n=SMALL_BLOCK_N)
     assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window,cap", [(6, 0.0), (25, 0.3), (None, 0.3)])
+def test_decode_sliding_window_and_soft_cap(window: int | None, cap: float,
+                                            splits: int) -> None:
+    """Only the window's positions are read (contexts shorter and longer than it), the splits
+    spread over them; soft-capped scores."""
+    lens = [1, 37, 5, 20, 64]
+    err = run_decode_case(lens, 4, 2, 64, torch.float32, splits, seed=splits + 11,
+                          window=window, cap=cap, block_n=SMALL_BLOCK_N)
+    assert err < TOL[torch.float32], err
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -514,6 +549,28 @@ def test_backend_matches_torch_backend(mode: ForwardMode, prefix_lens: list[int]
     # the pool now holds this step's K/V at out_cache_loc (written by the layer)
     kb, _ = case.fb.token_to_kv_pool.get_kv_buffer(case.layer.layer_id)
     assert torch.equal(kb[case.fb.out_cache_loc], case.k)
+
+
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens", BACKEND_CASES,
+                         ids=["extend", "extend1", "prefill", "decode"])
+def test_backends_keep_sliding_window_and_soft_cap(mode: ForwardMode, prefix_lens: list[int],
+                                                   extend_lens: list[int]) -> None:
+    """A layer with a window of 4 and a logit cap: the Triton backend (PREFILL through the
+    extend kernel) and the torch backend both equal the reference."""
+    heads, kv_heads, d, dtype = 4, 2, 64, torch.float32
+    case = build_backend_case(mode, prefix_lens, extend_lens, dtype, seed=len(prefix_lens))
+    case.layer = RadixAttention(heads, d, d ** -0.5, kv_heads, case.layer.layer_id,
+                                sliding_window=4, logit_cap=0.3)
+    got = run_backend(case, TritonAttnBackend(runner=fake_runner(heads, kv_heads, d, dtype)))
+    want_torch = run_backend(case, TorchAttnBackend())
+    start, refs = 0, []
+    for i, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
+        refs.append(reference(case.q[start:start + e], case.ctx_k[i], case.ctx_v[i], p,
+                              case.layer.scaling, window=4, cap=0.3))
+        start += e
+    ref = torch.cat(refs)
+    assert rel_err(got, ref) < TOL[dtype]
+    assert rel_err(want_torch, ref) < TOL[dtype]
 
 
 # ====================================================================== GPU sizes

@@ -251,19 +251,6 @@ def test_draft_with_a_smaller_vocabulary(target_dir: str, tmp_path: Any) -> None
     assert kv_is_free(spec)
 
 
-def test_draft_with_a_shorter_context_is_refused(target_dir: str, tmp_path: Any) -> None:
-    """A draft with a sliding window shorter than the target's context (srt caps such a
-    model's context at its window) would be asked for positions it has no rotary table for."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from tests.random_models import save_random_model
-
-    short = save_random_model(str(tmp_path / "s"), MistralConfig, MistralForCausalLM,
-                              num_hidden_layers=1, sliding_window=256)
-    with pytest.raises(ValueError, match="shorter than the target's"):
-        cpu_model_server(target_dir, **_spec(short))
-
-
 def test_reported_sizes_count_the_draft(target_dir: str, small_draft_dir: str) -> None:
     """The weights and KV pool a rank reports (the start-up log, /get_server_info) include the
     draft model's."""

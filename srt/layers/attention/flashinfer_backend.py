@@ -45,6 +45,15 @@ def build_kv_indices(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return indptr.to(torch.int32), indices.to(torch.int32)
 
 
+def refuse_windows_and_caps(architecture: str, layers: list[RadixAttention]) -> None:
+    """The wrappers are planned once per step for every layer alike: a model whose layers
+    differ by a sliding window or soft-cap their scores is refused at start-up."""
+    if any(layer.sliding_window or layer.logit_cap for layer in layers):
+        raise ValueError(f"{architecture} has sliding-window or soft-capped attention layers, "
+                         "which the flashinfer backend does not implement here: use "
+                         "--attention-backend triton (the default on a GPU)")
+
+
 class FlashInferAttnBackend(AttentionBackend):
     def __init__(self, runner: Any, decode_tensor_cores: bool | None = None, **_: Any) -> None:
         if runner.device.type != "cuda":
@@ -58,6 +67,8 @@ class FlashInferAttnBackend(AttentionBackend):
             ) from e
         self.device = runner.device
         self.dtype = runner.dtype
+        refuse_windows_and_caps(runner.config.architecture,
+                                getattr(runner, "_attention_layers", lambda: [])())
         self.num_heads = runner.num_heads_per_rank()
         self.num_kv_heads = runner.model_kv_heads()
         self.head_dim = runner.config.head_dim

@@ -2,7 +2,9 @@
 
 Runs on the CPU and the GPU. Extend: one scaled-dot-product call per request over its whole
 context (cached prefix + new tokens), causal with the prefix offset. Decode: all requests at once,
-padded to the longest context and masked. An FP8 pool is read back as stored * scale.
+padded to the longest context and masked. An FP8 pool is read back as stored * scale. A layer's
+sliding window masks the keys before it; its logit cap (soft-capping) computes the scores
+explicitly, as scaled-dot-product attention has no such option.
 """
 
 from __future__ import annotations
@@ -48,12 +50,19 @@ class TorchAttnBackend(AttentionBackend):
             qi = q[start : start + ext].transpose(0, 1)  # [heads, ext, d]
             ki = dequantize_kv(k_buf[slots], layer.k_scale, q.dtype).transpose(0, 1)
             vi = dequantize_kv(v_buf[slots], layer.v_scale, q.dtype).transpose(0, 1)
-            # query t sits at position pre + t and sees keys 0..pre + t
-            mask = torch.ones(ext, seq, dtype=torch.bool, device=q.device).tril(diagonal=pre)
-            oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, scale=layer.scaling,
-                enable_gqa=layer.num_heads != layer.num_kv_heads,
-            )
+            # query t sits at position pre + t and sees keys 0..pre + t (and, with a window W,
+            # none before pre + t - W + 1)
+            ones = torch.ones(ext, seq, dtype=torch.bool, device=q.device)
+            mask = ones.tril(diagonal=pre)
+            if layer.sliding_window:
+                mask &= ones.triu(diagonal=pre - layer.sliding_window + 1)
+            if layer.logit_cap:
+                oi = _capped_attention(qi, ki, vi, mask, layer)
+            else:
+                oi = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, scale=layer.scaling,
+                    enable_gqa=layer.num_heads != layer.num_kv_heads,
+                )
             out[start : start + ext] = oi.transpose(0, 1)
             start += ext
         return out
@@ -70,7 +79,25 @@ class TorchAttnBackend(AttentionBackend):
         values = dequantize_kv(v_buf[rows], layer.v_scale, q.dtype)
         qg = q.view(bs, layer.num_kv_heads, group, layer.head_dim)
         scores = torch.einsum("bkgd,blkd->bkgl", qg.float(), keys.float()) * layer.scaling
+        if layer.logit_cap:
+            scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+        if layer.sliding_window:  # the query sits at seq_len - 1
+            first = (fb.seq_lens - layer.sliding_window).unsqueeze(1)
+            valid = valid & (torch.arange(valid.shape[1], device=valid.device) >= first)
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
         out = torch.einsum("bkgl,blkd->bkgd", probs, values.float())
         return out.reshape(bs, layer.num_heads, layer.head_dim).to(q.dtype)
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      layer: RadixAttention) -> torch.Tensor:
+    """Soft-capped attention of one request: q [heads, T, d], k / v [kv_heads, S, d], mask
+    [T, S] (True: visible) -> [heads, T, d]; scores in float32."""
+    group = layer.num_heads // layer.num_kv_heads
+    k = k.repeat_interleave(group, dim=0)
+    v = v.repeat_interleave(group, dim=0)
+    scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * layer.scaling
+    scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)

@@ -1,7 +1,9 @@
 """Attention through the Triton kernels of `srt.layers.attention.triton_ops`.
 
 PREFILL (no request has a cached prefix): `context_attention_fwd` on this step's contiguous q/k/v.
-EXTEND: `extend_attention_fwd`, the prefix read from the pool through req_to_token.
+EXTEND: `extend_attention_fwd`, the prefix read from the pool through req_to_token. A layer with a
+sliding window or a logit cap (RadixAttention) takes the extend kernel in PREFILL too, and no
+layer of such a model reads a shared prefix once for the batch.
 DECODE: `decode_attention_fwd`, split-K over the context, GQA groups in one program; a prefix
 that every request of an eager batch shares (`ForwardBatch.shared_prefix_len`) is read once for
 the whole batch.
@@ -81,6 +83,10 @@ class TritonAttnBackend(AttentionBackend):
         self.device = torch.device(runner.device)
         self.dtype = runner.dtype  # of q and o (the pool may hold FP8)
         self.max_bs = int(runner.max_running_requests)
+        layers = runner._attention_layers() if hasattr(runner, "_attention_layers") else []
+        # windows read each request's own last positions: no shared-prefix stage (nor for a
+        # model with soft-capped layers, which the shared stage is not tested with)
+        self.no_shared = any(layer.sliding_window or layer.logit_cap for layer in layers)
         self.num_sms = device_num_sms(self.device)
         self.max_kv_splits = DECODE_MAX_KV_SPLITS
         # The flat workspace holds bs * splits partial results; size it for the largest
@@ -140,7 +146,8 @@ class TritonAttnBackend(AttentionBackend):
     def _decode_metadata(self, fb: ForwardBatch) -> TritonDecodeMetadata:
         bs, shared = fb.batch_size, fb.shared_prefix_len
         longest = max(fb.seq_lens_cpu, default=1)
-        if shared <= 0 or (bs - 1) * shared < SHARED_PREFIX_MIN_SAVED_TOKENS:
+        if (shared <= 0 or (bs - 1) * shared < SHARED_PREFIX_MIN_SAVED_TOKENS
+                or self.no_shared):
             return TritonDecodeMetadata(num_kv_splits=self._splits(bs, longest))
         splits = self._splits(bs, longest - shared)
         # what the workspace holds at this batch size, less stage 1's splits
@@ -199,15 +206,18 @@ class TritonAttnBackend(AttentionBackend):
                 fb.req_pool_indices, meta.extend.prefix_lens, meta.extend.extend_lens,
                 meta.extend.extend_start_loc, meta.extend.max_len_extend, layer.scaling,
                 k_scale=layer.k_scale, v_scale=layer.v_scale,
+                sliding_window=layer.sliding_window, logit_cap=layer.logit_cap,
             )
             decode_attention_fwd(
                 q[t:], k_buf, v_buf, o[t:], fb.req_to_token_pool.req_to_token,
                 meta.decode_rows, meta.decode_seq_lens, layer.scaling,
                 meta.decode.num_kv_splits, self.workspace,
                 k_scale=layer.k_scale, v_scale=layer.v_scale,
+                sliding_window=layer.sliding_window, logit_cap=layer.logit_cap,
             )
             return o
-        if fb.forward_mode == ForwardMode.PREFILL:
+        plain = not (layer.sliding_window or layer.logit_cap)
+        if fb.forward_mode == ForwardMode.PREFILL and plain:
             context_attention_fwd(
                 q, k, v, o, meta.extend_start_loc, meta.extend_lens, meta.max_len_extend,
                 layer.scaling,
@@ -218,6 +228,7 @@ class TritonAttnBackend(AttentionBackend):
                 q, k, v, o, k_buf, v_buf, fb.req_to_token_pool.req_to_token,
                 fb.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.extend_start_loc,
                 meta.max_len_extend, layer.scaling, k_scale=layer.k_scale, v_scale=layer.v_scale,
+                sliding_window=layer.sliding_window, logit_cap=layer.logit_cap,
             )
         return o
 
@@ -233,6 +244,7 @@ class TritonAttnBackend(AttentionBackend):
             fb.seq_lens, layer.scaling, meta.num_kv_splits, self.workspace,
             shared_len=meta.shared_len, shared_splits=meta.shared_splits,
             k_scale=layer.k_scale, v_scale=layer.v_scale,
+            sliding_window=layer.sliding_window, logit_cap=layer.logit_cap,
         )
         return o
 

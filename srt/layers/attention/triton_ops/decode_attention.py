@@ -40,6 +40,7 @@ import triton.language as tl
 
 from srt.layers.attention.triton_ops.prefill_attention import (
     LOG2E,
+    _capped,
     _dot,
     _mma,
     _online_softmax_step,
@@ -180,6 +181,16 @@ def _decode_split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _first_position(seq_len, shared_len, window):
+    """The first context position stage 1 reads: after the shared prefix, and within a
+    sliding window (the query sits at seq_len - 1 and sees seq_len - window on)."""
+    lo = shared_len
+    if window > 0:
+        lo = tl.maximum(lo, seq_len - window)
+    return lo
+
+
+@triton.jit
 def _block_slots(slot_row, start_n, end, BLOCK_N: tl.constexpr):
     """(mask, pool slots as int64) of context positions start_n .. start_n + BLOCK_N - 1
     (those at or past `end` masked, slot 0)."""
@@ -190,22 +201,28 @@ def _block_slots(slot_row, start_n, end, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attend_range(q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_t, start, end,
-                  qk_scale, m_i, l_i, acc, offs_d, mask_d,
-                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                  qk_scale, cap2, m_i, l_i, acc, offs_d, mask_d,
+                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                  SOFTCAP: tl.constexpr):
     """The online softmax of q's rows over context positions start..end-1, whose pool slots are
     slot_row[start:end]; returns the updated (m_i, l_i, acc). K and V tiles are taken in q's
     dtype as stored (an FP8 pool's values are exact in every float dtype): the caller folds an
-    FP8 pool's k_scale into qk_scale and multiplies the result by v_scale (_fp8_scales)."""
+    FP8 pool's k_scale into qk_scale and multiplies the result by v_scale (_fp8_scales).
+    SOFTCAP: the scores are soft-capped (`_capped`, cap2 = the cap times log2(e))."""
+    if SOFTCAP:
+        step_scale = 1.0
+    else:
+        step_scale = qk_scale
     for start_n in range(start, end, BLOCK_N):
         mask_n, slots = _block_slots(slot_row, start_n, end, BLOCK_N)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask=kv_mask,
                     other=0.0).to(q.dtype)
         qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)  # [rows, BLOCK_N], scaled below
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        qk = tl.where(mask_n[None, :], _capped(qk, qk_scale, cap2, SOFTCAP), float("-inf"))
         v = tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask=kv_mask,
                     other=0.0).to(q.dtype)
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, step_scale, DOT_PRECISION,
                                              UPCAST)
     return m_i, l_i, acc
 
@@ -230,14 +247,19 @@ def _fp8_pair_halves(words, E5M2: tl.constexpr):
 
 @triton.jit
 def _attend_range_pairs(q_lo, q_hi, slot_row, kbuf_base, vbuf_base, stride_kbuf_t,
-                        stride_vbuf_t, start, end, qk_scale, m_i, l_i, acc_lo, acc_hi, offs_p,
-                        mask_p, BLOCK_N: tl.constexpr, E5M2: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                        stride_vbuf_t, start, end, qk_scale, cap2, m_i, l_i, acc_lo, acc_hi,
+                        offs_p, mask_p, BLOCK_N: tl.constexpr, E5M2: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                        SOFTCAP: tl.constexpr):
     """_attend_range over an FP8 pool read as int16 words of two channels (kbuf_base,
     vbuf_base and their strides in words; offs_p: word columns): the even and odd channels
     are separate float16 tiles, so q (q_lo, q_hi) and the output (acc_lo, acc_hi) are split
     the same way. Reading words keeps the tiles' shared-memory traffic 16-bit (FP8 tiles are
     read byte by byte); float16 holds e4m3 and e5m2 values exactly."""
+    if SOFTCAP:
+        step_scale = 1.0
+    else:
+        step_scale = qk_scale
     for start_n in range(start, end, BLOCK_N):
         mask_n, slots = _block_slots(slot_row, start_n, end, BLOCK_N)
         kv_mask = mask_n[:, None] & mask_p[None, :]
@@ -246,14 +268,14 @@ def _attend_range_pairs(q_lo, q_hi, slot_row, kbuf_base, vbuf_base, stride_kbuf_
                     other=0), E5M2)
         qk = _mma(q_hi, tl.trans(k_hi), _dot(q_lo, tl.trans(k_lo), DOT_PRECISION, UPCAST),
                   DOT_PRECISION, UPCAST)
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        qk = tl.where(mask_n[None, :], _capped(qk, qk_scale, cap2, SOFTCAP), float("-inf"))
         v_lo, v_hi = _fp8_pair_halves(
             tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_p[None, :], mask=kv_mask,
                     other=0), E5M2)
         # _online_softmax_step with the values in two halves
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * step_scale)
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        p = tl.math.exp2(qk * step_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         p16 = p.to(tl.float16)
         acc_lo = _mma(p16, v_lo, acc_lo * alpha[:, None], DOT_PRECISION, UPCAST)
@@ -282,10 +304,11 @@ def _fp8_scales(qk_scale, k_scale, v_scale, KV_FP8: tl.constexpr, PAIRS: tl.cons
 
 @triton.jit
 def _attend_store(q_rows, mask_rows, slot_row, kbuf_base, vbuf_base, stride_kbuf_t,
-                  stride_vbuf_t, start, end, qk_scale, k_scale, v_scale, o_rows, lse_ptrs,
+                  stride_vbuf_t, start, end, qk_scale, k_scale, v_scale, cap2, o_rows, lse_ptrs,
                   ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                  KV_FP8: tl.constexpr, PAIRS: tl.constexpr, E5M2: tl.constexpr):
+                  KV_FP8: tl.constexpr, PAIRS: tl.constexpr, E5M2: tl.constexpr,
+                  SOFTCAP: tl.constexpr):
     """Attend ROWS query rows (q_rows: pointers to each row's first channel) over context
     positions start..end-1 and store each row's normalised partial output at o_rows (its first
     channel) and its log2-sum-exp2 at lse_ptrs. PAIRS: an FP8 pool read as int16 words of two
@@ -308,8 +331,8 @@ def _attend_store(q_rows, mask_rows, slot_row, kbuf_base, vbuf_base, stride_kbuf
         acc_hi = tl.zeros([ROWS, BLOCK_P], dtype=tl.float32)
         m_i, l_i, acc_lo, acc_hi = _attend_range_pairs(
             q_lo, q_hi, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_t, start,
-            end, qk_scale, m_i, l_i, acc_lo, acc_hi, offs_p, mask_p, BLOCK_N, E5M2,
-            DOT_PRECISION, UPCAST)
+            end, qk_scale, cap2, m_i, l_i, acc_lo, acc_hi, offs_p, mask_p, BLOCK_N, E5M2,
+            DOT_PRECISION, UPCAST, SOFTCAP)
         w = (out_scale / l_i)[:, None]
         o_ptrs = o_rows[:, None] + 2 * offs_p[None, :]
         tl.store(o_ptrs, acc_lo * w, mask=q_mask)
@@ -323,7 +346,8 @@ def _attend_store(q_rows, mask_rows, slot_row, kbuf_base, vbuf_base, stride_kbuf
         acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
         m_i, l_i, acc = _attend_range(
             q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_t, start, end,
-            qk_scale, m_i, l_i, acc, offs_d, mask_d, BLOCK_N, DOT_PRECISION, UPCAST)
+            qk_scale, cap2, m_i, l_i, acc, offs_d, mask_d, BLOCK_N, DOT_PRECISION, UPCAST,
+            SOFTCAP)
         tl.store(o_rows[:, None] + offs_d[None, :], acc * (out_scale / l_i)[:, None],
                  mask=mask)
     tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=mask_rows)
@@ -338,6 +362,8 @@ def _decode_stage1_kernel(
     Mid_O, Mid_Lse,
     qk_scale,  # sm_scale * log2(e)
     k_scale, v_scale,  # of an FP8 pool (KV_FP8)
+    window,  # > 0: only the last `window` positions are read (a sliding window)
+    cap2,  # SOFTCAP: the logit cap times log2(e)
     stride_qb, stride_qh,
     stride_kbuf_t, stride_kbuf_h,
     stride_vbuf_t, stride_vbuf_h,
@@ -356,14 +382,16 @@ def _decode_stage1_kernel(
     KV_FP8: tl.constexpr,
     PAIRS: tl.constexpr,  # an FP8 pool read as int16 words (K_Buffer/V_Buffer and strides)
     E5M2: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     cur_kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(Seq_Lens + cur_batch).to(tl.int32)
-    split_len = _decode_split_len(seq_len - shared_len, num_splits, BLOCK_N)
-    split_start = shared_len + split * split_len
+    lo = _first_position(seq_len, shared_len, window)
+    split_len = _decode_split_len(seq_len - lo, num_splits, BLOCK_N)
+    split_start = lo + split * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
     if split_start >= split_end:
         return  # an empty split (short context): stage 2 ignores it
@@ -378,8 +406,8 @@ def _decode_stage1_kernel(
         Q + cur_batch.to(tl.int64) * stride_qb + cur_heads * stride_qh, mask_h,
         Req_To_Token + row * stride_r2t, K_Buffer + cur_kv_head * stride_kbuf_h,
         V_Buffer + cur_kv_head * stride_vbuf_h, stride_kbuf_t, stride_vbuf_t, split_start,
-        split_end, qk_scale, k_scale, v_scale, Mid_O + base * HEAD_DIM, Mid_Lse + base,
-        BLOCK_H, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, UPCAST, KV_FP8, PAIRS, E5M2)
+        split_end, qk_scale, k_scale, v_scale, cap2, Mid_O + base * HEAD_DIM, Mid_Lse + base,
+        BLOCK_H, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, UPCAST, KV_FP8, PAIRS, E5M2, SOFTCAP)
 
 
 @triton.jit(do_not_specialize=["bs", "num_splits", "total_splits", "shared_len",
@@ -390,6 +418,7 @@ def _decode_shared_kernel(
     Mid_O, Mid_Lse,
     qk_scale,  # sm_scale * log2(e)
     k_scale, v_scale,  # of an FP8 pool (KV_FP8)
+    cap2,  # SOFTCAP: the logit cap times log2(e)
     stride_qb, stride_qh,
     stride_kbuf_t, stride_kbuf_h,
     stride_vbuf_t, stride_vbuf_h,
@@ -410,6 +439,7 @@ def _decode_shared_kernel(
     KV_FP8: tl.constexpr,
     PAIRS: tl.constexpr,
     E5M2: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     cur_kv_head = tl.program_id(0)
     block_m = tl.program_id(1)
@@ -432,13 +462,14 @@ def _decode_shared_kernel(
         Q + batch.to(tl.int64) * stride_qb + heads * stride_qh, mask_m,
         Req_To_Token + row * stride_r2t, K_Buffer + cur_kv_head * stride_kbuf_h,
         V_Buffer + cur_kv_head * stride_vbuf_h, stride_kbuf_t, stride_vbuf_t, split_start,
-        split_end, qk_scale, k_scale, v_scale, Mid_O + base * HEAD_DIM, Mid_Lse + base,
-        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, UPCAST, KV_FP8, PAIRS, E5M2)
+        split_end, qk_scale, k_scale, v_scale, cap2, Mid_O + base * HEAD_DIM, Mid_Lse + base,
+        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, UPCAST, KV_FP8, PAIRS, E5M2, SOFTCAP)
 
 
 @triton.jit(do_not_specialize=["num_splits", "total_splits", "shared_len", "shared_splits"])
 def _decode_stage2_kernel(
     Mid_O, Mid_Lse, O, Seq_Lens,
+    window,
     stride_ob, stride_oh,
     num_heads,
     num_splits,
@@ -454,7 +485,7 @@ def _decode_stage2_kernel(
     cur_head = tl.program_id(1)
 
     seq_len = tl.load(Seq_Lens + cur_batch).to(tl.int32)
-    own_len = seq_len - shared_len
+    own_len = seq_len - _first_position(seq_len, shared_len, window)
     split_len = _decode_split_len(own_len, num_splits, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     valid = (offs_s < num_splits) & (offs_s * split_len < own_len)
@@ -494,6 +525,8 @@ def decode_attention_fwd(
     shared_splits: int = 0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    logit_cap: float = 0.0,
 ) -> None:
     """One query per request over the whole context `req_to_token[req_pool_indices[i],
     :seq_lens[i]]` (the current token's K/V already in the pool), written into `o`.
@@ -505,7 +538,9 @@ def decode_attention_fwd(
     if None). shared_len > 0 (with shared_splits >= 1) promises that the first shared_len
     entries of every request's req_to_token row are the same slots and that every
     seq_lens[i] > shared_len; those positions are then read once for the whole batch.
-    A pool in FP8 is read as stored * k_scale (v_scale) in q's dtype.
+    A pool in FP8 is read as stored * k_scale (v_scale) in q's dtype. `sliding_window` W: only
+    the last W positions are read (no shared prefix then); `logit_cap` c > 0: scores s become
+    c * tanh(s / c).
     """
     check_heads(q, k_buffer)
     check_layout(q, o)
@@ -519,6 +554,10 @@ def decode_attention_fwd(
         raise ValueError("num_kv_splits must be >= 1")
     if shared_len < 0 or (shared_len > 0) != (shared_splits > 0):
         raise ValueError("shared_len > 0 needs shared_splits >= 1, and the reverse")
+    window = int(sliding_window or 0)
+    if window and shared_len:
+        raise ValueError("a sliding window reads no shared prefix (shared_len must be 0)")
+    cap2 = float(logit_cap) * LOG2E if logit_cap else 1.0
     bs, heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
     if bs == 0:
@@ -552,6 +591,7 @@ def decode_attention_fwd(
         mid_o, mid_lse,
         sm_scale * LOG2E,
         float(k_scale), float(v_scale),
+        window, cap2,
         q.stride(0), q.stride(1),
         kbuf.stride(0), kbuf.stride(1),
         vbuf.stride(0), vbuf.stride(1),
@@ -570,6 +610,7 @@ def decode_attention_fwd(
         KV_FP8=kv_fp8,
         PAIRS=pairs,
         E5M2=e5m2,
+        SOFTCAP=bool(logit_cap),
         num_warps=DECODE_NUM_WARPS,
         num_stages=stages,
     )
@@ -581,6 +622,7 @@ def decode_attention_fwd(
             mid_o, mid_lse,
             sm_scale * LOG2E,
             float(k_scale), float(v_scale),
+            cap2,
             q.stride(0), q.stride(1),
             kbuf.stride(0), kbuf.stride(1),
             vbuf.stride(0), vbuf.stride(1),
@@ -601,11 +643,13 @@ def decode_attention_fwd(
             KV_FP8=kv_fp8,
             PAIRS=pairs,
             E5M2=e5m2,
+            SOFTCAP=bool(logit_cap),
             num_warps=DECODE_NUM_WARPS,
             num_stages=stages,
         )
     _decode_stage2_kernel[(bs, heads)](
         mid_o, mid_lse, o, seq_lens,
+        window,
         o.stride(0), o.stride(1),
         heads,
         num_kv_splits,

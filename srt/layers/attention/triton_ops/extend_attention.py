@@ -23,7 +23,9 @@ from srt.layers.attention.triton_ops.prefill_attention import (
     LOG2E,
     _dequant,
     _dot,
+    _capped,
     _online_softmax_step,
+    _online_softmax_step_masked,
     _tile,
     check_heads,
     check_layout,
@@ -50,6 +52,8 @@ def _extend_fwd_kernel(
     Req_To_Token, Req_Pool_Indices, Prefix_Lens, Extend_Lens, Extend_Start_Loc,
     qk_scale,  # sm_scale * log2(e)
     k_scale, v_scale,  # of an FP8 pool (KV_FP8)
+    window,  # SLIDING: a query at position p sees keys p - window + 1 .. p
+    cap2,  # SOFTCAP: the logit cap times log2(e)
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -65,6 +69,8 @@ def _extend_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # grid (heads, bs, query blocks): the heads of one KV group run side by side (K/V reuse in
     # L2), and the last, most expensive query blocks of the causal triangle are launched first
@@ -93,64 +99,102 @@ def _extend_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    if SOFTCAP:
+        step_scale = 1.0
+    else:
+        step_scale = qk_scale
     # 1. the cached prefix, one pool slot per token: whole tiles unmasked, then the tail
     slot_row = Req_To_Token + row * stride_r2t
     kbuf_base = K_Buffer + cur_kv_head * stride_kbuf_h
     vbuf_base = V_Buffer + cur_kv_head * stride_vbuf_h
-    full_end = (prefix_len // BLOCK_N) * BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
-        slots = tl.load(slot_row + start_n + offs_n).to(tl.int64)
-        k = _tile(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], offs_n, offs_d,
-                  HEAD_DIM, BLOCK_D, False)
-        k = _dequant(k, k_scale, q.dtype, KV_FP8)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
-        v = _tile(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], offs_n, offs_d,
-                  HEAD_DIM, BLOCK_D, False)
-        v = _dequant(v, v_scale, q.dtype, KV_FP8)
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
-                                             UPCAST)
-    if full_end < prefix_len:
-        cur_n = full_end + offs_n
-        mask_n = cur_n < prefix_len
-        slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
-        k = _tile(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask_n, offs_d,
-                  HEAD_DIM, BLOCK_D, True)
-        k = _dequant(k, k_scale, q.dtype, KV_FP8)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        v = _tile(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask_n, offs_d,
-                  HEAD_DIM, BLOCK_D, True)
-        v = _dequant(v, v_scale, q.dtype, KV_FP8)
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
-                                             UPCAST)
+    if SLIDING:
+        # from the tile of the first key the block's first query sees; every tile masked
+        lo = (tl.maximum(prefix_len + start_m - window + 1, 0) // BLOCK_N) * BLOCK_N
+        for start_n in range(lo, prefix_len, BLOCK_N):
+            cur_n = start_n + offs_n
+            mask_n = cur_n < prefix_len
+            slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
+            k = _tile(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask_n,
+                      offs_d, HEAD_DIM, BLOCK_D, True)
+            k = _dequant(k, k_scale, q.dtype, KV_FP8)
+            qk = _capped(_dot(q, tl.trans(k), DOT_PRECISION, UPCAST), qk_scale, cap2, SOFTCAP)
+            visible = mask_n[None, :] & (cur_n[None, :] > (prefix_len + offs_m)[:, None] - window)
+            qk = tl.where(visible, qk, float("-inf"))
+            v = _tile(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask_n,
+                      offs_d, HEAD_DIM, BLOCK_D, True)
+            v = _dequant(v, v_scale, q.dtype, KV_FP8)
+            m_i, l_i, acc = _online_softmax_step_masked(qk, v, m_i, l_i, acc, step_scale,
+                                                        DOT_PRECISION, UPCAST)
+    else:
+        full_end = (prefix_len // BLOCK_N) * BLOCK_N
+        for start_n in range(0, full_end, BLOCK_N):
+            slots = tl.load(slot_row + start_n + offs_n).to(tl.int64)
+            k = _tile(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], offs_n,
+                      offs_d, HEAD_DIM, BLOCK_D, False)
+            k = _dequant(k, k_scale, q.dtype, KV_FP8)
+            qk = _capped(_dot(q, tl.trans(k), DOT_PRECISION, UPCAST), qk_scale, cap2, SOFTCAP)
+            v = _tile(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], offs_n,
+                      offs_d, HEAD_DIM, BLOCK_D, False)
+            v = _dequant(v, v_scale, q.dtype, KV_FP8)
+            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, step_scale,
+                                                 DOT_PRECISION, UPCAST)
+        if full_end < prefix_len:
+            cur_n = full_end + offs_n
+            mask_n = cur_n < prefix_len
+            slots = tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
+            k = _tile(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask_n,
+                      offs_d, HEAD_DIM, BLOCK_D, True)
+            k = _dequant(k, k_scale, q.dtype, KV_FP8)
+            qk = _capped(_dot(q, tl.trans(k), DOT_PRECISION, UPCAST), qk_scale, cap2, SOFTCAP)
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            v = _tile(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask_n,
+                      offs_d, HEAD_DIM, BLOCK_D, True)
+            v = _dequant(v, v_scale, q.dtype, KV_FP8)
+            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, step_scale,
+                                                 DOT_PRECISION, UPCAST)
 
-    # 2. new tokens before the query block: all valid, all visible
+    # 2. new tokens before the query block: all valid, all visible (but for a window)
     k_base = K_Extend + tok0 * stride_kt + cur_kv_head * stride_kh
     v_base = V_Extend + tok0 * stride_vt + cur_kv_head * stride_vh
-    for start_n in range(0, start_m, BLOCK_N):
+    if SLIDING:
+        lo = (tl.maximum(start_m - window + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+    for start_n in range(lo, start_m, BLOCK_N):
         cur_n = start_n + offs_n
         k = _tile(k_base + cur_n[:, None] * stride_kt + offs_d[None, :], cur_n, offs_d,
                   HEAD_DIM, BLOCK_D, False)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
+        qk = _capped(_dot(q, tl.trans(k), DOT_PRECISION, UPCAST), qk_scale, cap2, SOFTCAP)
         v = _tile(v_base + cur_n[:, None] * stride_vt + offs_d[None, :], cur_n, offs_d,
                   HEAD_DIM, BLOCK_D, False)
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
-                                             UPCAST)
+        if SLIDING:
+            qk = tl.where(cur_n[None, :] > offs_m[:, None] - window, qk, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step_masked(qk, v, m_i, l_i, acc, step_scale,
+                                                        DOT_PRECISION, UPCAST)
+        else:
+            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, step_scale,
+                                                 DOT_PRECISION, UPCAST)
 
-    # 3. the diagonal of the new part: causal + length
+    # 3. the diagonal of the new part: causal + length (+ window)
     end_n = tl.minimum(start_m + BLOCK_M, ext_len)
     for start_n in range(start_m, end_n, BLOCK_N):
         cur_n = start_n + offs_n
         mask_n = cur_n < end_n
         k = _tile(k_base + cur_n[:, None] * stride_kt + offs_d[None, :], mask_n, offs_d,
                   HEAD_DIM, BLOCK_D, True)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)
+        qk = _capped(_dot(q, tl.trans(k), DOT_PRECISION, UPCAST), qk_scale, cap2, SOFTCAP)
         visible = (offs_m[:, None] >= cur_n[None, :]) & mask_n[None, :]
-        qk = tl.where(visible, qk, float("-inf"))
         v = _tile(v_base + cur_n[:, None] * stride_vt + offs_d[None, :], mask_n, offs_d,
                   HEAD_DIM, BLOCK_D, True)
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
-                                             UPCAST)
+        if SLIDING:
+            visible = visible & (cur_n[None, :] > offs_m[:, None] - window)
+            qk = tl.where(visible, qk, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step_masked(qk, v, m_i, l_i, acc, step_scale,
+                                                        DOT_PRECISION, UPCAST)
+        else:
+            qk = tl.where(visible, qk, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, step_scale,
+                                                 DOT_PRECISION, UPCAST)
 
     acc = acc / l_i[:, None]
     o_ptrs = (O_Extend + (tok0 + offs_m)[:, None] * stride_ot + cur_head * stride_oh
@@ -181,6 +225,8 @@ def extend_attention_fwd(
     block_n: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    logit_cap: float = 0.0,
 ) -> None:
     """Attention of the new tokens over cached prefix + themselves, written into `o_extend`.
 
@@ -189,7 +235,8 @@ def extend_attention_fwd(
     req_to_token: [R, C] int32/int64; req_pool_indices, prefix_lens, extend_lens,
     extend_start_loc: [bs] int32/int64 device tensors; max_len_extend: a host int >=
     max(extend_lens). A pool in FP8 is read as stored * k_scale (v_scale) in q's dtype; this
-    step's k_extend / v_extend are used as they are.
+    step's k_extend / v_extend are used as they are. `sliding_window` W: a query at position p
+    sees the keys at p - W + 1 .. p only; `logit_cap` c > 0: scores s become c * tanh(s / c).
     """
     group = check_heads(q_extend, k_extend)
     check_layout(q_extend, k_extend, v_extend, o_extend)
@@ -218,6 +265,7 @@ def extend_attention_fwd(
         req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
         sm_scale * LOG2E,
         float(k_scale), float(v_scale),
+        int(sliding_window or 0), float(logit_cap) * LOG2E if logit_cap else 1.0,
         q_extend.stride(0), q_extend.stride(1),
         k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1),
@@ -233,6 +281,8 @@ def extend_attention_fwd(
         DOT_PRECISION=dot_precision(q_extend.dtype),
         UPCAST=interpret_upcast(q_extend.dtype),
         KV_FP8=kv_fp8,
+        SLIDING=bool(sliding_window),
+        SOFTCAP=bool(logit_cap),
         num_warps=EXTEND_NUM_WARPS,
         num_stages=pipeline_stages(q_extend.dtype, head_dim, EXTEND_NUM_STAGES),
     )

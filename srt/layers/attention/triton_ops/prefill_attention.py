@@ -149,6 +149,33 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.const
 
 
 @triton.jit
+def _capped(qk, qk_scale, cap2, SOFTCAP: tl.constexpr):
+    """Raw scores q.k as the online softmax takes them: unchanged, or with SOFTCAP soft-capped
+    and already scaled (the step then takes a scale of 1): c * tanh(s / c) for the scaled
+    score s, in base-2 units (cap2 = c * log2(e)). Apply before any -inf mask."""
+    if SOFTCAP:
+        x = qk * (qk_scale / cap2)
+        return cap2 * (2.0 * tl.sigmoid(2.0 * x) - 1.0)  # cap2 * tanh(x)
+    else:
+        return qk
+
+
+@triton.jit
+def _online_softmax_step_masked(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr,
+                                UPCAST: tl.constexpr):
+    """_online_softmax_step for tiles where a row may see no key yet (sliding windows): a row
+    whose scores so far are all -inf keeps l_i = 0 and acc = 0 instead of NaN."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = _mma(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_fwd_kernel(
     Q, K, V, O,
     B_Start_Loc, B_Seq_Len,
