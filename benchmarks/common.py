@@ -24,6 +24,14 @@ SHAPES: dict[str, dict[str, Any]] = {
                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                          max_position_embeddings=8192, rope_theta=100000.0,
                          tie_word_embeddings=True),
+    # Gemma 2 9B: 21 sliding-window layers (4096) between 21 global ones, soft-capped scores
+    # and logits, head_dim 256 (not hidden / heads)
+    "gemma2-9b": dict(config_class="Gemma2Config", hidden_size=3584, intermediate_size=14336,
+                      num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                      head_dim=256, vocab_size=256000, max_position_embeddings=8192,
+                      rope_theta=10000.0, sliding_window=4096, attn_logit_softcapping=50.0,
+                      final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+                      hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
     # Not a real model: two small layers, for tests of the benchmark scripts on the CPU.
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
@@ -47,7 +55,8 @@ class Shape:
     def of(cls, name: str) -> "Shape":
         c = SHAPES[name]
         return cls(name, c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"],
-                   c["num_key_value_heads"], c["hidden_size"] // c["num_attention_heads"],
+                   c["num_key_value_heads"],
+                   c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]),
                    c["intermediate_size"], c["vocab_size"], c["tie_word_embeddings"])
 
     @property
@@ -73,15 +82,19 @@ class Shape:
 
 def write_shape_dir(name: str, path: str, **config: Any) -> str:
     """config.json (bf16) and a word-level tokenizer for `name` under `path`; returns `path`.
-    `config` overrides fields of the shape (e.g. max_position_embeddings=32768)."""
-    from transformers import LlamaConfig
+    `config` overrides fields of the shape (e.g. max_position_embeddings=32768). A shape's
+    `config_class` names its transformers config (default LlamaConfig)."""
+    import transformers
 
     from tests.random_models import save_word_tokenizer
 
     os.makedirs(path, exist_ok=True)
-    cfg = LlamaConfig(**{**SHAPES[name], **config}, rms_norm_eps=1e-5, bos_token_id=1,
-                      eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16",
-                      architectures=["LlamaForCausalLM"])
+    fields = {**SHAPES[name], **config}
+    cls_name = fields.pop("config_class", "LlamaConfig")
+    eps = 1e-5 if cls_name == "LlamaConfig" else 1e-6
+    cfg = getattr(transformers, cls_name)(
+        **fields, rms_norm_eps=eps, bos_token_id=1, eos_token_id=1, pad_token_id=0,
+        torch_dtype="bfloat16", architectures=[cls_name.replace("Config", "ForCausalLM")])
     cfg.save_pretrained(path)
     save_word_tokenizer(path, cfg.vocab_size)
     return path

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 
-
 @dataclass(frozen=True)
 class ModelConfig:
     path: str
