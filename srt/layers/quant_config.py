@@ -26,7 +26,10 @@ and optimum write it; srt/layers/gptq.py), symmetric or not; act-order (desc_act
 `modules_in_block_to_quantize` leaves the other layers in the model dtype; not for
 mixture-of-experts models.
 
-Refused with the reason: block-wise FP8 scales (`weight_block_size`), other bit widths, AWQ's
+Block-wise FP8 (`weight_block_size` [Bn, Bk], powers of two, dynamic activations) loads for
+linear layers (srt/layers/fp8_block.py).
+
+Refused with the reason: block-wise FP8 experts, other bit widths, AWQ's
 GEMV / Marlin layouts or symmetric (no zero point) variant, GPTQ's Marlin / BitBLAS formats,
 per-module overrides (`dynamic`) or a quantized `lm_head`, and other methods.
 """
@@ -48,6 +51,7 @@ class CheckpointQuant:
     group_size: int = 0  # AWQ / GPTQ: input channels per scale (GPTQ -1: all)
     only: tuple[str, ...] = ()  # GPTQ: when given, the modules quantized (the rest ignored)
     gptq_v2: bool = False  # GPTQ: zero points stored as they are (v1 stores z - 1)
+    block: tuple[int, int] | None = None  # fp8: weight_block_size (Bn, Bk), else per channel
 
     @property
     def is_int4(self) -> bool:
@@ -172,11 +176,17 @@ def checkpoint_quant(path: str) -> CheckpointQuant | None:
     method = str(qc.get("quant_method") or "unknown")
     where = "config.json quantization_config"
     if method == "fp8":
-        if qc.get("weight_block_size"):
-            raise ValueError(f"the checkpoint is quantized with quant_method 'fp8' with block-wise "
-                             f"scales (weight_block_size {qc['weight_block_size']}, {where}), "
-                             "which srt cannot load (per-tensor and per-channel scales only)")
-        return CheckpointQuant("fp8", tuple(qc.get("ignored_layers") or ()))
+        block = qc.get("weight_block_size")
+        if block is not None and (len(block) != 2 or not all(
+                isinstance(b, int) and b >= 16 and b & (b - 1) == 0 for b in block)):
+            raise ValueError(f"the checkpoint is quantized with quant_method 'fp8' with "
+                             f"weight_block_size {block} ({where}), which srt cannot load (two "
+                             "powers of two of at least 16, as [128, 128])")
+        if block is not None and qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError(f"block-wise FP8 with activation_scheme "
+                             f"{qc.get('activation_scheme')!r} ({where}): only 'dynamic' loads")
+        return CheckpointQuant("fp8", tuple(qc.get("ignored_layers") or ()),
+                               block=tuple(block) if block else None)
     if method == "compressed-tensors":
         fmt = qc.get("format")
         groups = list((qc.get("config_groups") or {}).values())

@@ -265,8 +265,9 @@ class ModelRunner:
         if ckpt is not None and ckpt.is_fp8:
             from srt.layers.fp8 import prepare_fp8_checkpoint
 
-            n = prepare_fp8_checkpoint(model, ckpt.quantized)
-            self.quantization = f"fp8 ({ckpt.method} checkpoint)"
+            n = prepare_fp8_checkpoint(model, ckpt.quantized, ckpt.block)
+            self.quantization = f"fp8 ({ckpt.method} checkpoint" + (
+                f", blocks of {ckpt.block[0]}x{ckpt.block[1]})" if ckpt.block else ")")
             logger.info("FP8 checkpoint (%s): %d layers load in FP8 e4m3",
                         ckpt.method, n)
         elif ckpt is not None and ckpt.method == "gptq":

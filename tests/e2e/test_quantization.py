@@ -199,6 +199,50 @@ def test_fp8_checkpoint_equals_its_dequantized_weights(llama: str, tmp_path: Any
                      "--tp-size", str(tp))
 
 
+def write_block_fp8_checkpoint(src: str, dst: str, block: tuple[int, int]) -> None:
+    """The random Llama at `src` in the block-wise FP8 layout (DeepSeek-V3 / Qwen3-FP8:
+    `weight` e4m3 and `weight_scale_inv` [N / Bn, K / Bk], one scale per block of the
+    largest magnitude / 448), quantized by our own quantizer."""
+    from srt.layers.fp8 import FP8_DTYPE, FP8_MAX
+
+    bn, bk = block
+
+    def quantize(base: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        n, k = t.shape
+        blocks = t.float().reshape(n // bn, bn, k // bk, bk)
+        scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX  # [N / Bn, K / Bk]
+        q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(n, k)
+        return {base + ".weight": q.to(FP8_DTYPE), base + ".weight_scale_inv": scale}
+
+    rewrite_checkpoint(src, dst, quantize, {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+        "weight_block_size": list(block)})
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_block_fp8_checkpoint_equals_its_dequantized_weights(llama: str, tmp_path: Any,
+                                                             tp: int) -> None:
+    """Blocks of 32 x 64 (not square, so swapped axes fail), every shard and every merged
+    part a whole number of blocks at tp 2."""
+    from safetensors.torch import load_file
+
+    from srt.layers.fp8_block import dequantize_block
+
+    ckpt = str(tmp_path / "block")
+    write_block_fp8_checkpoint(llama, ckpt, (32, 64))
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    state = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            t = dequantize_block(t, tensors[name + "_scale_inv"], (32, 64), torch.float32)
+        state[name] = t.float()
+    _serve_and_check(ckpt, plain_reference(ckpt, state),
+                     "fp8 (fp8 checkpoint, blocks of 32x64)",
+                     "FP8 checkpoint (fp8): 8 layers load in FP8 e4m3", "--tp-size", str(tp))
+
+
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory: Any) -> str:
     import transformers

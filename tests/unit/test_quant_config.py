@@ -34,6 +34,9 @@ def test_loadable_formats(tmp_path: Any) -> None:
     q = checkpoint_quant(_ckpt(tmp_path, _ct(FP8_CHANNEL)))
     assert q == CheckpointQuant("compressed-tensors", ("lm_head",))
     assert checkpoint_quant(_ckpt(tmp_path, {"quant_method": "fp8"}, text=True)) is not None
+    block = {"quant_method": "fp8", "weight_block_size": [128, 128],
+             "activation_scheme": "dynamic"}
+    assert checkpoint_quant(_ckpt(tmp_path, block)) == CheckpointQuant("fp8", block=(128, 128))
 
 
 @pytest.mark.parametrize("qc,words", [
@@ -44,7 +47,7 @@ def test_loadable_formats(tmp_path: Any) -> None:
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False},
      "no zero point"),
     ({"quant_method": "gptq"}, "quant_method 'gptq'"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise scales"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 100]}, "weight_block_size [128, 100]"),
     (_ct({"num_bits": 4, "type": "int", "strategy": "group"}, fmt="pack-quantized"),
      "format 'pack-quantized'"),
     (_ct({"num_bits": 4, "type": "int", "strategy": "group"}), "weights of 4 bits of type 'int'"),
