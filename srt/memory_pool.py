@@ -94,6 +94,8 @@ class ReqToTokenPool:
 
 class TokenToKVPool:
     """Per layer a K and a V buffer `[size, kv_heads, head_dim]`, and the slot free list.
+    `shared_kv`: K and V are one buffer (multi-head latent attention keeps one latent vector
+    per token and layer, read as both keys and values).
 
     Slots are int64 indices into dim 0. Slot `size` exists as a padding slot: writes for padded
     positions may go there, and it is never handed out.
@@ -107,8 +109,10 @@ class TokenToKVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        shared_kv: bool = False,
     ) -> None:
         self.size = size
+        self.shared_kv = shared_kv
         self.num_layers = num_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -119,7 +123,7 @@ class TokenToKVPool:
             torch.empty((size + 1, kv_heads, head_dim), dtype=dtype, device=device)
             for _ in range(num_layers)
         ]
-        self.v_buffer = [
+        self.v_buffer = self.k_buffer if shared_kv else [
             torch.empty((size + 1, kv_heads, head_dim), dtype=dtype, device=device)
             for _ in range(num_layers)
         ]
@@ -127,7 +131,8 @@ class TokenToKVPool:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+        kv = 1 if self.shared_kv else 2
+        return kv * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     def available_size(self) -> int:
         return self._num_free

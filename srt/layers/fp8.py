@@ -107,7 +107,8 @@ def scaled_mm_ok(q: torch.Tensor) -> bool:
 
 
 # Module names (any part) whose linear layers stay in the model dtype.
-_KEEP = ("vision_tower", "multi_modal_projector", "lm_head", "embed")
+# (MLA's kv_b_proj: its weight is read as the heads' absorbed up-projections)
+_KEEP = ("vision_tower", "multi_modal_projector", "lm_head", "embed", "kv_b_proj")
 
 
 def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

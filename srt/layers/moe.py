@@ -148,7 +148,11 @@ class FusedMoE(nn.Module):
         param.data[expert_id].narrow(0, offset, n).copy_(loaded.narrow(0, rank * n, n))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_topk(router_logits, self.top_k, self.renormalize)
+        return self.compute(x, *route_topk(router_logits, self.top_k, self.renormalize))
+
+    def compute(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[:, j] * expert_{ids[:, j]}(x), all-reduced over the ranks; weights
+        and ids [T, k] as a router chose them."""
         if self.ep:
             # this rank's experts only: the others' choices weigh 0 (on local expert 0); the
             # all-reduce below sums every rank's experts

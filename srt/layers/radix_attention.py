@@ -18,11 +18,13 @@ from srt.layers.rotary import RotaryEmbedding
 class RadixAttention(nn.Module):
     def __init__(
         self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
-        sliding_window: int | None = None, logit_cap: float = 0.0,
+        sliding_window: int | None = None, logit_cap: float = 0.0, kv_shared: bool = False,
     ) -> None:
         """`sliding_window` W: a query at position p sees the keys at p - W + 1 .. p only
         (transformers' sliding-window mask), None: all before it. `logit_cap` c > 0: each
-        scaled score s becomes c * tanh(s / c) before the softmax (Gemma 2's soft-capping)."""
+        scaled score s becomes c * tanh(s / c) before the softmax (Gemma 2's soft-capping).
+        `kv_shared`: the layer's keys are its values (multi-head latent attention: one latent
+        vector a token; the pool keeps one buffer and only k is written)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -31,6 +33,7 @@ class RadixAttention(nn.Module):
         self.layer_id = layer_id
         self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
         self.logit_cap = float(logit_cap or 0.0)
+        self.kv_shared = kv_shared
         # Per-tensor scales of an FP8 KV cache (srt/layers/kv_cache_dtype.py): stored = k /
         # k_scale. From the checkpoint's k_scale / v_scale when it has them.
         self.k_scale = 1.0
@@ -49,7 +52,7 @@ class RadixAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(self.layer_id)
         if rotary is not None and use_fused(q) and _fusable(q, k, v, self.head_dim) \
-                and rotary.rotary_dim == self.head_dim:
+                and rotary.rotary_dim == self.head_dim and not rotary.interleaved:
             q = kernels().rope_and_store(q, k, v, positions, rotary.cos_cache, rotary.sin_cache,
                                          k_buf, v_buf, fb.out_cache_loc,
                                          k_scale=self.k_scale, v_scale=self.v_scale)
@@ -57,7 +60,8 @@ class RadixAttention(nn.Module):
             if rotary is not None:
                 q, k = rotary(positions, q, k)
             store_kv(k_buf, fb.out_cache_loc, k, self.k_scale)
-            store_kv(v_buf, fb.out_cache_loc, v, self.v_scale)
+            if v_buf is not k_buf:
+                store_kv(v_buf, fb.out_cache_loc, v, self.v_scale)
         if fb.forward_mode.is_extend():
             o = fb.attn_backend.forward_extend(q, k, v, self, fb)
         else:

@@ -32,7 +32,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
     raise ValueError(f"unsupported rope scaling type {rope_type!r} (default, linear, llama3, "
-                     "longrope)")
+                     "longrope, yarn)")
 
 
 def _longrope(dim: int, theta: float, scaling: dict[str, Any],
@@ -54,9 +54,47 @@ def _longrope(dim: int, theta: float, scaling: dict[str, Any],
     return freqs, float(attention)
 
 
+def _yarn(dim: int, theta: float, scaling: dict[str, Any],
+          max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN (`yarn`, DeepSeek's scaling): (inverse frequencies, the factor cos and sin are
+    scaled by). Dimensions that rotate fewer than `beta_slow` times over the original context
+    are interpolated by `factor`, those rotating more than `beta_fast` times kept, a linear
+    ramp between; the factor is the paper's 0.1 ln(s) + 1 (as mscale / mscale_all_dim when
+    both are given)."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or max_position / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all
+                     else yarn_mscale(factor))
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that rotates that many times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    base = theta ** (torch.arange(0, dim, 2).float() / dim)
+    keep = 1 - ramp  # the share of the original frequency
+    return (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep, float(attention)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 class RotaryEmbedding(nn.Module):
     """`rotary_dim` (default head_dim): the leading dimensions of each head that rotate (a
-    partial rotary factor below 1); the others pass through unchanged."""
+    partial rotary factor below 1); the others pass through unchanged. `interleaved`: the
+    pairs rotated together are adjacent channels (2i, 2i + 1), as DeepSeek's checkpoints
+    take them, instead of the two halves."""
 
     def __init__(
         self,
@@ -65,10 +103,12 @@ class RotaryEmbedding(nn.Module):
         theta: float,
         scaling: dict[str, Any] | None = None,
         rotary_dim: int | None = None,
+        interleaved: bool = False,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
+        self.interleaved = interleaved
         t = torch.arange(max_position, dtype=torch.int64).float()
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type in ("longrope", "su"):
@@ -76,14 +116,20 @@ class RotaryEmbedding(nn.Module):
             # do not depend on the rest of its batch; transformers takes the long ones for the
             # whole sequence once it is longer than the original context)
             freqs, mscale = _longrope(self.rotary_dim, theta, scaling or {}, t)
+        elif rope_type == "yarn":
+            inv_freq, mscale = _yarn(self.rotary_dim, theta, scaling or {}, max_position)
+            freqs = torch.outer(t, inv_freq)
         else:
             freqs, mscale = torch.outer(t, _inv_freq(self.rotary_dim, theta, scaling)), 1.0
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs),
+                                                                               dim=-1)
         self.register_buffer("cos_cache", emb.cos() * mscale, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * mscale, persistent=False)
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:  # (x0, x1, ...) -> (-x1, x0, ...)
+            pairs = x.unflatten(-1, (-1, 2))
+            return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 

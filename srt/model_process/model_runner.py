@@ -153,8 +153,17 @@ class ModelRunner:
             self.draft.init_pool_and_backend()
 
     def kv_values_per_token(self) -> int:
-        """K and V values a token holds in this model's pool on this rank."""
-        return 2 * self.config.num_layers * self.model_kv_heads() * self.config.head_dim
+        """K and V values a token holds in this model's pool on this rank (one latent vector
+        a layer under multi-head latent attention)."""
+        kv = 1 if self.kv_shared() else 2
+        return kv * self.config.num_layers * self.model_kv_heads() * self.kv_head_dim()
+
+    def kv_head_dim(self) -> int:
+        """The pool's head dimension: the attention layers' (MLA: the latent's)."""
+        return self._attention_layers()[0].head_dim
+
+    def kv_shared(self) -> bool:
+        return self._attention_layers()[0].kv_shared
 
     def init_pool_and_backend(self) -> None:
         """The token pool (max_total_num_tokens slots), the attention backends and the CUDA
@@ -164,15 +173,17 @@ class ModelRunner:
             self.max_total_num_tokens,
             config.num_layers,
             self.model_kv_heads(),
-            config.head_dim,
+            self.kv_head_dim(),
             self.kv_cache_dtype,
             self.device,
+            shared_kv=self.kv_shared(),
         )
         prefill_name, decode_name = resolve_step_backends(
             args.attention_backend, args.prefill_attention_backend,
             args.decode_attention_backend, self.device.type,
             fp8_kv=self.kv_cache_dtype != self.dtype,
-            windows=any(a.sliding_window or a.logit_cap for a in self._attention_layers()))
+            windows=any(a.sliding_window or a.logit_cap or a.kv_shared
+                        for a in self._attention_layers()))
         self.backend_name = (prefill_name if prefill_name == decode_name
                              else f"{prefill_name} (prefill) + {decode_name} (decode)")
         if "triton" in (prefill_name, decode_name) and self.device.type == "cpu":

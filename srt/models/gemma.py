@@ -19,10 +19,9 @@ import torch
 from torch import nn
 
 from srt.layers.activation import GeluAndMul
-from srt.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from srt.layers.embedding import VocabParallelEmbedding
 from srt.layers.layernorm import GemmaRMSNorm
 from srt.layers.linear import QKVParallelLinear, RowParallelLinear
-from srt.layers.logits_processor import LogitsProcessor
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary import RotaryEmbedding
 from srt.model_config import layer_window, rope_params
@@ -136,18 +135,8 @@ class GemmaModel(LlamaModel):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     qk_norm = False
 
-    def __init__(self, config: Any, max_position: int) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = GemmaModel(config, max_position, self.qk_norm)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if not self.tie_word_embeddings:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.logits_processor = LogitsProcessor(
-            config.vocab_size, getattr(config, "final_logit_softcapping", None))
-        self.capture_hidden: tuple[int, ...] | None = None
-        self.spec_hidden: torch.Tensor | None = None
-        self.pooling: str | None = None
+    def build_model(self, config: Any, max_position: int) -> nn.Module:
+        return GemmaModel(config, max_position, self.qk_norm)
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

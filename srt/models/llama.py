@@ -199,11 +199,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, max_position: int) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_position, self.arch_options(config))
+        self.model = self.build_model(config, max_position)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        # (Gemma 2 soft-caps its final logits)
+        self.logits_processor = LogitsProcessor(
+            config.vocab_size, getattr(config, "final_logit_softcapping", None))
         # EAGLE speculative decoding reads the hidden states of every row of a step
         # (`spec_hidden`): None keeps none, () the final normed ones (EAGLE), layer indices the
         # inputs of those layers side by side (EAGLE3).
@@ -211,6 +213,10 @@ class LlamaForCausalLM(nn.Module):
         self.spec_hidden: torch.Tensor | None = None
         # --is-embedding: forward returns each request's pooled hidden state instead of logits
         self.pooling: str | None = None
+
+    def build_model(self, config: Any, max_position: int) -> nn.Module:
+        """The decoder stack (families with other layers override this)."""
+        return LlamaModel(config, max_position, self.arch_options(config))
 
     def lm_head_weight(self) -> torch.Tensor:
         if self.tie_word_embeddings:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 _MODELS: dict[str, str] = {
+    "DeepseekV2ForCausalLM": "srt.models.deepseek_v2:DeepseekV2ForCausalLM",
     "Gemma2ForCausalLM": "srt.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "srt.models.gemma:Gemma3ForCausalLM",
     "LlamaForCausalLM": "srt.models.llama:LlamaForCausalLM",

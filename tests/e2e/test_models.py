@@ -1,7 +1,8 @@
 """Each supported architecture besides Llama, served by the real server in float32 on a small
 random checkpoint, gives transformers' greedy tokens, and prompt and output logprobs equal to its
 log_softmax within 1e-4; Mixtral also under --tp-size 2 (gloo); Phi-3, Qwen2-MoE, Qwen3-MoE,
-Gemma 2 / 3 and sliding windows (Mistral's, Qwen2's on some layers) over 48 tokens at 1 and 2,
+Gemma 2 / 3, DeepSeek-V2 (MLA) and sliding windows (Mistral's, Qwen2's on some layers) over
+48 tokens at 1 and 2,
 well past the window. An unsupported architecture is a clear start-up error."""
 
 from __future__ import annotations
@@ -66,6 +67,23 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0,
                                             "rope_theta": 1000000.0}})),
+    # DeepSeek-V2 (Lite's layout: no q LoRA): MLA with a latent of 32 + 16 rotary values,
+    # YaRN, a dense first layer, then 4 routed experts (top 2, greedy) and a shared one
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=24, v_head_dim=20, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
+        routed_scaling_factor=1.5, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 1024, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707})),
+    # DeepSeek-V2's full layout: q LoRA, grouped routing (2 of 4 groups), two shared experts
+    "deepseek_v2_qlora": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_key_value_heads=8, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=24, v_head_dim=20, n_routed_experts=8, n_shared_experts=2,
+        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.0)),
     # Phi-4-mini's shape: a partial rotary factor (12 of 16 dimensions rotate), tied embeddings
     "phi3_partial": ("Phi3Config", "Phi3ForCausalLM", dict(
         pad_token_id=0, bos_token_id=1, eos_token_id=1, partial_rotary_factor=0.75,
@@ -173,9 +191,12 @@ def test_greedy_equals_transformers(checkpoints: Any, name: str) -> None:
     ("qwen2_moe", ["--tp-size", "2", "--ep-size", "2"]),
     ("mistral", []), ("qwen2_window", ["--tp-size", "2"]),
     ("gemma2", []), ("gemma2", ["--tp-size", "2"]), ("gemma3", []), ("gemma3", ["--tp-size", "2"]),
+    ("deepseek_v2", []), ("deepseek_v2", ["--tp-size", "2", "--ep-size", "2"]),
+    ("deepseek_v2_qlora", ["--tp-size", "2"]),
 ], ids=["phi3-tp1", "phi3-tp2", "phi3_partial-tp2", "qwen3_moe-tp1", "qwen3_moe-tp2",
         "qwen3_moe-ep2", "qwen2_moe-tp1", "qwen2_moe-tp2", "qwen2_moe-ep2", "mistral-tp1",
-        "qwen2_window-tp2", "gemma2-tp1", "gemma2-tp2", "gemma3-tp1", "gemma3-tp2"])
+        "qwen2_window-tp2", "gemma2-tp1", "gemma2-tp2", "gemma3-tp1", "gemma3-tp2",
+        "deepseek_v2-tp1", "deepseek_v2-ep2", "deepseek_v2_qlora-tp2"])
 def test_48_steps_equal_transformers(checkpoints: Any, name: str, flags: list[str]) -> None:
     """Phi-3's fused qkv / gate_up checkpoints (split as they load, so each rank reads its
     shard), LongRoPE's short factors and attention factor, a partial rotary factor; Qwen3-MoE
@@ -186,7 +207,7 @@ def test_48_steps_equal_transformers(checkpoints: Any, name: str, flags: list[st
     srv = _serve(path, *flags)
     try:
         _check(srv, hf_reference(path, PROMPTS, 48), new=48)
-        if "moe" in name:  # 4 experts: whole, 2 a rank, with --ep-size 2
+        if "moe" in name or name == "deepseek_v2":  # 4 experts: 2 a rank with --ep-size 2
             info = srv.server_info()
             assert info["experts_per_rank"] == (2 if "--ep-size" in flags else 4), info
         srv.assert_kv_invariant()
@@ -217,7 +238,8 @@ def test_unsupported_architecture_is_a_startup_error(checkpoints: Any,
         json.dump(cfg, f)
     proc = start_fails(bad)
     assert proc.returncode != 0
-    assert ("unsupported architecture 'FooForCausalLM'; supported: Gemma2ForCausalLM, "
+    assert ("unsupported architecture 'FooForCausalLM'; supported: DeepseekV2ForCausalLM, "
+            "Gemma2ForCausalLM, "
             "Gemma3ForCausalLM, LlamaForCausalLM, "
             "LlavaForConditionalGeneration, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, "
             "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"

@@ -48,8 +48,9 @@ def build_kv_indices(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
 def refuse_windows_and_caps(architecture: str, layers: list[RadixAttention]) -> None:
     """The wrappers are planned once per step for every layer alike: a model whose layers
     differ by a sliding window or soft-cap their scores is refused at start-up."""
-    if any(layer.sliding_window or layer.logit_cap for layer in layers):
-        raise ValueError(f"{architecture} has sliding-window or soft-capped attention layers, "
+    if any(layer.sliding_window or layer.logit_cap or layer.kv_shared for layer in layers):
+        raise ValueError(f"{architecture} has sliding-window, soft-capped or latent attention "
+                         "layers, "
                          "which the flashinfer backend does not implement here: use "
                          "--attention-backend triton (the default on a GPU)")
 

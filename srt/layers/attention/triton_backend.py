@@ -79,7 +79,9 @@ class TritonAttnBackend(AttentionBackend):
         config = runner.config
         self.num_kv_heads = int(runner.model_kv_heads())
         self.num_heads = _model_num_heads(runner, config.num_heads)
-        self.head_dim = int(config.head_dim)
+        # the layers' (multi-head latent attention: the latent's, not the config's head_dim)
+        self.head_dim = int(runner.kv_head_dim() if hasattr(runner, "kv_head_dim")
+                            else config.head_dim)
         self.device = torch.device(runner.device)
         self.dtype = runner.dtype  # of q and o (the pool may hold FP8)
         self.max_bs = int(runner.max_running_requests)

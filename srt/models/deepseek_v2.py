@@ -1,0 +1,179 @@
+"""DeepSeek-V2 (`DeepseekV2ForCausalLM`: V2, V2-Lite, and the V2.5 / Coder-V2 checkpoints of
+that architecture): multi-head latent attention and DeepSeek's mixture of experts.
+
+Multi-head latent attention (MLA). Each token's keys and values come from one latent vector:
+c = norm(kv_a(x))[:kv_lora_rank] and a rotary part k_pe (shared by all heads). The pool stores
+[c, rope(k_pe)] (kv_lora_rank + qk_rope_head_dim values a token and layer, one "KV head",
+`kv_shared`: keys and values are the same buffer). Attention runs in the latent space with the
+up-projections absorbed: a head's query q_nope is multiplied into the latent by that head's
+key up-projection (W_UK^T q_nope), concatenated with its rotated q_pe, and scored against
+the stored vectors: the same scores as q . k with k = [W_UK c, k_pe]. The output, a weighted
+sum of stored vectors, keeps its first kv_lora_rank values (the c part) and goes through the
+head's value up-projection W_UV. So every attention backend computes MLA as multi-query
+attention with one head of kv_lora_rank + qk_rope_head_dim (576 on the real models); no
+decompressed K/V are ever materialized, in prefill as in decode.
+
+Rotary: interleaved pairs on the qk_rope_head_dim part, YaRN scaling with its mscale on cos
+and sin, and the softmax scale qk_head_dim^-0.5 times mscale(factor, mscale_all_dim)^2.
+
+Mixture of experts: a float32 router, softmax scores, the top k (greedy, or
+`group_limited_greedy`: only within the `topk_group` groups of best expert) times
+`routed_scaling_factor` (renormalized first with `norm_topk_prob`), the experts in FusedMoE,
+plus the shared experts as one dense MLP; the first `first_k_dense_replace` layers are dense.
+
+Tensor parallelism splits the heads (q / q_b, kv_b, o) and the experts as elsewhere; the
+latent projections (q_a, kv_a) and the router are replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt.layers.embedding import VocabParallelEmbedding
+from srt.layers.layernorm import RMSNorm
+from srt.layers.linear import ColumnParallelLinear, RowParallelLinear
+from srt.layers.moe import FusedMoE, ReplicatedLinear
+from srt.layers.radix_attention import RadixAttention
+from srt.layers.rotary import RotaryEmbedding, yarn_mscale
+from srt.model_config import rope_params
+from srt.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: Any, layer_id: int, max_position: int) -> None:
+        super().__init__()
+        h = config.hidden_size
+        heads = config.num_attention_heads
+        self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
+        qk = self.nope + self.rope
+        self.q_lora = config.q_lora_rank is not None
+        if self.q_lora:
+            self.q_a_proj = ReplicatedLinear(h, config.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * qk)
+            self.num_heads = self.q_b_proj.out_per_rank // qk
+        else:
+            self.q_proj = ColumnParallelLinear(h, heads * qk)
+            self.num_heads = self.q_proj.out_per_rank // qk
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.rank + self.rope)
+        self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
+        self.kv_b_proj = ColumnParallelLinear(self.rank, heads * (self.nope + self.v_dim))
+        self.o_proj = RowParallelLinear(heads * self.v_dim, h)
+        theta, scaling = rope_params(config)
+        self.rotary_emb = RotaryEmbedding(self.rope, max_position, theta, scaling,
+                                          interleaved=True)
+        scale = qk ** -0.5
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn" \
+                and scaling.get("mscale_all_dim"):
+            m = yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+            scale = scale * m * m
+        self.attn = RadixAttention(self.num_heads, self.rank + self.rope, scale, 1, layer_id,
+                                   kv_shared=True)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t, n = x.shape[0], self.num_heads
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q_nope, q_pe = q.view(t, n, self.nope + self.rope).split([self.nope, self.rope], -1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        c = self.kv_a_layernorm(c.contiguous())
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
+        # the heads' up-projections: [heads, nope + v, rank] -> W_UK [heads, nope, rank],
+        # W_UV [heads, v, rank]
+        w = self.kv_b_proj.weight.view(n, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+        query = torch.cat((q_lat, q_pe), dim=-1)
+        latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [T, 1, rank + rope]
+        o = self.attn(query, latent, latent).view(t, n, self.rank + self.rope)
+        out = torch.einsum("thr,hvr->thv", o[..., : self.rank], w_uv)
+        return self.o_proj(out.reshape(t, n * self.v_dim))
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.n_routed_experts
+        self.method = getattr(config, "topk_method", "greedy") or "greedy"
+        if self.method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"DeepSeek topk_method {self.method!r} is not supported (greedy, "
+                             "group_limited_greedy)")
+        self.groups, self.topk_group = config.n_group, config.topk_group
+        self.scale = float(config.routed_scaling_factor)
+        self.norm = bool(getattr(config, "norm_topk_prob", False))
+        # the router in float32, as the reference computes it
+        self.gate = ReplicatedLinear(config.hidden_size, self.num_experts)
+        self.gate.weight.data = self.gate.weight.data.float()
+        self.experts = FusedMoE(self.num_experts, self.top_k, config.hidden_size,
+                                config.moe_intermediate_size)
+        shared = config.n_shared_experts or 0
+        self.shared_experts = LlamaMLP(config.hidden_size,
+                                       config.moe_intermediate_size * shared) if shared else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k])."""
+        scores = F.linear(x.float(), self.gate.weight).softmax(dim=-1)
+        if self.method == "group_limited_greedy":
+            t = scores.shape[0]
+            best = scores.view(t, self.groups, -1).amax(dim=-1)
+            keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, dim=-1)[1], 1.0)
+            scores = scores * keep.repeat_interleave(self.num_experts // self.groups, dim=1)
+        weights, ids = scores.topk(self.top_k, dim=-1)
+        if self.norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts.compute(x, *self.route(x))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, max_position: int) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(config, layer_id, max_position)
+        freq = getattr(config, "moe_layer_freq", 1) or 1
+        if (config.n_routed_experts and layer_id >= config.first_k_dense_replace
+                and layer_id % freq == 0):
+            self.mlp: nn.Module = DeepseekMoE(config)
+        else:
+            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DeepseekV2Model(LlamaModel):
+    def __init__(self, config: Any, max_position: int) -> None:
+        nn.Module.__init__(self)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, max_position)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    # only the MLPs' gate and up are merged; MLA's projections load as they are
+    stacked_params = [(".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1)]
+
+    def build_model(self, config: Any, max_position: int) -> nn.Module:
+        return DeepseekV2Model(config, max_position)
