@@ -32,6 +32,19 @@ SHAPES: dict[str, dict[str, Any]] = {
                       rope_theta=10000.0, sliding_window=4096, attn_logit_softcapping=50.0,
                       final_logit_softcapping=30.0, query_pre_attn_scalar=256,
                       hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+    # DeepSeek-V2-Lite: MLA (latent 512 + rotary 64), 64 routed experts (top 6) + 2 shared,
+    # YaRN; the context held to 8192 here (the checkpoint's is 163,840)
+    "deepseek-v2-lite": dict(
+        config_class="DeepseekV2Config", hidden_size=2048, intermediate_size=10944,
+        moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, head_dim=64, vocab_size=102400,
+        routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1,
+        norm_topk_prob=False, max_position_embeddings=8192, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
+                             original_max_position_embeddings=4096, beta_fast=32.0,
+                             beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)),
     # Not a real model: two small layers, for tests of the benchmark scripts on the CPU.
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
