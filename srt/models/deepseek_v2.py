@@ -1,5 +1,6 @@
 """DeepSeek-V2 (`DeepseekV2ForCausalLM`: V2, V2-Lite, and the V2.5 / Coder-V2 checkpoints of
-that architecture): multi-head latent attention and DeepSeek's mixture of experts.
+that architecture) and DeepSeek-V3 (`DeepseekV3ForCausalLM`: V3, R1): multi-head latent
+attention and DeepSeek's mixture of experts.
 
 Multi-head latent attention (MLA). Each token's keys and values come from one latent vector:
 c = norm(kv_a(x))[:kv_lora_rank] and a rotary part k_pe (shared by all heads). The pool stores
@@ -18,7 +19,8 @@ and sin, and the softmax scale qk_head_dim^-0.5 times mscale(factor, mscale_all_
 
 Mixture of experts: a float32 router, softmax scores, the top k (greedy, or
 `group_limited_greedy`: only within the `topk_group` groups of best expert) times
-`routed_scaling_factor` (renormalized first with `norm_topk_prob`), the experts in FusedMoE,
+`routed_scaling_factor` (renormalized first with `norm_topk_prob`); V3: sigmoid scores and
+its bias-corrected group choice (`DeepseekMoE._route_v3`); the experts in FusedMoE,
 plus the shared experts as one dense MLP; the first `first_k_dense_replace` layers are dense.
 
 Tensor parallelism splits the heads (q / q_b, kv_b, o) and the experts as elsewhere; the
@@ -27,7 +29,7 @@ latent projections (q_a, kv_a) and the router are replicated.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +68,7 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.v_dim, h)
         theta, scaling = rope_params(config)
         self.rotary_emb = RotaryEmbedding(self.rope, max_position, theta, scaling,
-                                          interleaved=True)
+                                          interleaved=getattr(config, "rope_interleave", True))
         scale = qk ** -0.5
         if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn" \
                 and scaling.get("mscale_all_dim"):
@@ -98,12 +100,16 @@ class MLAttention(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, v3: bool = False) -> None:
+        """`v3`: DeepSeek-V3's router (sigmoid scores; experts chosen by the scores plus
+        `e_score_correction_bias` within the best `topk_group` groups, each group scored by
+        its two best; weighted by the scores without the bias)."""
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.num_experts = config.n_routed_experts
-        self.method = getattr(config, "topk_method", "greedy") or "greedy"
-        if self.method not in ("greedy", "group_limited_greedy"):
+        self.v3 = v3
+        self.method = "noaux_tc" if v3 else getattr(config, "topk_method", "greedy") or "greedy"
+        if self.method not in ("greedy", "group_limited_greedy", "noaux_tc"):
             raise ValueError(f"DeepSeek topk_method {self.method!r} is not supported (greedy, "
                              "group_limited_greedy)")
         self.groups, self.topk_group = config.n_group, config.topk_group
@@ -112,6 +118,9 @@ class DeepseekMoE(nn.Module):
         # the router in float32, as the reference computes it
         self.gate = ReplicatedLinear(config.hidden_size, self.num_experts)
         self.gate.weight.data = self.gate.weight.data.float()
+        if v3:
+            self.gate.e_score_correction_bias = nn.Parameter(
+                torch.zeros(self.num_experts, dtype=torch.float32), requires_grad=False)
         self.experts = FusedMoE(self.num_experts, self.top_k, config.hidden_size,
                                 config.moe_intermediate_size)
         shared = config.n_shared_experts or 0
@@ -120,13 +129,28 @@ class DeepseekMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k])."""
-        scores = F.linear(x.float(), self.gate.weight).softmax(dim=-1)
+        logits = F.linear(x.float(), self.gate.weight)
+        if self.v3:
+            return self._route_v3(logits.sigmoid())
+        scores = logits.softmax(dim=-1)
         if self.method == "group_limited_greedy":
             t = scores.shape[0]
             best = scores.view(t, self.groups, -1).amax(dim=-1)
             keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, dim=-1)[1], 1.0)
             scores = scores * keep.repeat_interleave(self.num_experts // self.groups, dim=1)
         weights, ids = scores.topk(self.top_k, dim=-1)
+        if self.norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
+
+    def _route_v3(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = scores.shape[0]
+        biased = scores + self.gate.e_score_correction_bias
+        groups = biased.view(t, self.groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        keep = torch.zeros_like(groups).scatter_(1, groups.topk(self.topk_group, dim=-1)[1], 1.0)
+        keep = keep.repeat_interleave(self.num_experts // self.groups, dim=1).bool()
+        ids = biased.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
         if self.norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scale, ids
@@ -139,13 +163,13 @@ class DeepseekMoE(nn.Module):
 
 
 class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, max_position: int) -> None:
+    def __init__(self, config: Any, layer_id: int, max_position: int, v3: bool) -> None:
         super().__init__()
         self.self_attn = MLAttention(config, layer_id, max_position)
         freq = getattr(config, "moe_layer_freq", 1) or 1
         if (config.n_routed_experts and layer_id >= config.first_k_dense_replace
                 and layer_id % freq == 0):
-            self.mlp: nn.Module = DeepseekMoE(config)
+            self.mlp: nn.Module = DeepseekMoE(config, v3)
         else:
             self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -163,10 +187,10 @@ class DeepseekV2DecoderLayer(nn.Module):
 
 
 class DeepseekV2Model(LlamaModel):
-    def __init__(self, config: Any, max_position: int) -> None:
+    def __init__(self, config: Any, max_position: int, v3: bool = False) -> None:
         nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, max_position)
+        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, max_position, v3)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -177,3 +201,18 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def build_model(self, config: Any, max_position: int) -> nn.Module:
         return DeepseekV2Model(config, max_position)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3 / R1 (and Kimi-K2's layout): V2's layers with V3's router."""
+
+    def build_model(self, config: Any, max_position: int) -> nn.Module:
+        return DeepseekV2Model(config, max_position, v3=True)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """The checkpoint's multi-token-prediction layers (numbered from num_hidden_layers
+        on) are not read: srt does not draft with them."""
+        n = self.config.num_hidden_layers
+        super().load_weights(
+            (name, t) for name, t in weights
+            if not (name.startswith("model.layers.") and int(name.split(".")[2]) >= n))

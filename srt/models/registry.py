@@ -6,6 +6,7 @@ import importlib
 
 _MODELS: dict[str, str] = {
     "DeepseekV2ForCausalLM": "srt.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "srt.models.deepseek_v2:DeepseekV3ForCausalLM",
     "Gemma2ForCausalLM": "srt.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "srt.models.gemma:Gemma3ForCausalLM",
     "LlamaForCausalLM": "srt.models.llama:LlamaForCausalLM",

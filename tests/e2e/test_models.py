@@ -84,6 +84,13 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
         topk_method="group_limited_greedy", n_group=4, topk_group=2,
         routed_scaling_factor=1.0)),
+    # DeepSeek-V3: sigmoid router with a correction bias (randomized below: transformers saves
+    # zeros) choosing 2 of 8 experts in the best 2 of 4 groups, renormalized and scaled
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=8, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=24, v_head_dim=20, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+        n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)),
     # Phi-4-mini's shape: a partial rotary factor (12 of 16 dimensions rotate), tied embeddings
     "phi3_partial": ("Phi3Config", "Phi3ForCausalLM", dict(
         pad_token_id=0, bos_token_id=1, eos_token_id=1, partial_rotary_factor=0.75,
@@ -138,10 +145,26 @@ def checkpoints(tmp_path_factory: Any) -> Any:
             path = save_random_model(
                 str(tmp_path_factory.mktemp(name)), getattr(transformers, cfg_cls),
                 getattr(transformers, model_cls), random_vectors=True, **{**SMALL, **overrides})
+            if name == "deepseek_v3":
+                _randomize(path, ".e_score_correction_bias", 0.0, 0.5)
             cache[name] = (path, hf_reference(path, PROMPTS, NEW_TOKENS))
         return cache[name]
 
     return get
+
+
+def _randomize(path: str, suffix: str, low: float, high: float) -> None:
+    """Give the checkpoint's tensors named ...`suffix` uniform values in [low, high)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    g = torch.Generator().manual_seed(7)
+    for name, t in tensors.items():
+        if name.endswith(suffix):
+            tensors[name] = torch.rand(t.shape, generator=g) * (high - low) + low
+    save_file(tensors, file, metadata={"format": "pt"})
 
 
 def start_fails(path: str, *extra: str) -> subprocess.CompletedProcess:
@@ -192,11 +215,11 @@ def test_greedy_equals_transformers(checkpoints: Any, name: str) -> None:
     ("mistral", []), ("qwen2_window", ["--tp-size", "2"]),
     ("gemma2", []), ("gemma2", ["--tp-size", "2"]), ("gemma3", []), ("gemma3", ["--tp-size", "2"]),
     ("deepseek_v2", []), ("deepseek_v2", ["--tp-size", "2", "--ep-size", "2"]),
-    ("deepseek_v2_qlora", ["--tp-size", "2"]),
+    ("deepseek_v2_qlora", ["--tp-size", "2"]), ("deepseek_v3", ["--tp-size", "2"]),
 ], ids=["phi3-tp1", "phi3-tp2", "phi3_partial-tp2", "qwen3_moe-tp1", "qwen3_moe-tp2",
         "qwen3_moe-ep2", "qwen2_moe-tp1", "qwen2_moe-tp2", "qwen2_moe-ep2", "mistral-tp1",
         "qwen2_window-tp2", "gemma2-tp1", "gemma2-tp2", "gemma3-tp1", "gemma3-tp2",
-        "deepseek_v2-tp1", "deepseek_v2-ep2", "deepseek_v2_qlora-tp2"])
+        "deepseek_v2-tp1", "deepseek_v2-ep2", "deepseek_v2_qlora-tp2", "deepseek_v3-tp2"])
 def test_48_steps_equal_transformers(checkpoints: Any, name: str, flags: list[str]) -> None:
     """Phi-3's fused qkv / gate_up checkpoints (split as they load, so each rank reads its
     shard), LongRoPE's short factors and attention factor, a partial rotary factor; Qwen3-MoE
@@ -239,7 +262,7 @@ def test_unsupported_architecture_is_a_startup_error(checkpoints: Any,
     proc = start_fails(bad)
     assert proc.returncode != 0
     assert ("unsupported architecture 'FooForCausalLM'; supported: DeepseekV2ForCausalLM, "
-            "Gemma2ForCausalLM, "
+            "DeepseekV3ForCausalLM, Gemma2ForCausalLM, "
             "Gemma3ForCausalLM, LlamaForCausalLM, "
             "LlavaForConditionalGeneration, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, "
             "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"
