@@ -27,6 +27,7 @@ import torch
 
 import benchmarks.bench_attention as ba
 import srt.layers.attention.triton_ops.decode_attention as dec
+import srt.layers.attention.triton_ops.decode_config as dcfg
 from benchmarks.bench_attention import graph_time_ms, make_runner
 from benchmarks.common import copy_bandwidth, print_table
 from srt.layers.attention import create_attention_backend
@@ -143,11 +144,13 @@ def main() -> None:
             saved = (dec.DECODE_BLOCK_N, dec.DECODE_NUM_WARPS, dec.DECODE_NUM_STAGES)
             for splits, block_n, warps, stages in itertools.product(
                     a.splits, a.block_n, a.warps, a.stages):
-                dec.DECODE_BLOCK_N, dec.DECODE_NUM_WARPS, dec.DECODE_NUM_STAGES = (
-                    block_n, warps, stages)
+                for mod in (dec, dcfg):  # the launch reads dec's, the stage count dcfg's
+                    mod.DECODE_BLOCK_N, mod.DECODE_NUM_WARPS, mod.DECODE_NUM_STAGES = (
+                        block_n, warps, stages)
                 add("triton", case.triton(splits), splits=splits, block_n=block_n,
                     warps=warps, stages=stages, chosen=splits == chosen)
-            dec.DECODE_BLOCK_N, dec.DECODE_NUM_WARPS, dec.DECODE_NUM_STAGES = saved
+            for mod in (dec, dcfg):
+                mod.DECODE_BLOCK_N, mod.DECODE_NUM_WARPS, mod.DECODE_NUM_STAGES = saved
         for name in backends.split(","):
             if name != "triton":
                 add(name, case.backend(name))

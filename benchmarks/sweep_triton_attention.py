@@ -18,6 +18,7 @@ import json
 
 import benchmarks.bench_attention as ba
 import srt.layers.attention.triton_ops.decode_attention as dec
+import srt.layers.attention.triton_ops.decode_config as dcfg
 import srt.layers.attention.triton_ops.extend_attention as ext
 from benchmarks.bench_attention import Case, copy_bandwidth, graph_time_ms, make_runner
 from srt.layers.attention import create_attention_backend
@@ -43,10 +44,11 @@ def main() -> None:
         case = Case(ForwardMode.DECODE, bs, ctx - 1, 1)
         for block_n, stages, per_sm, min_tok, warps in itertools.product(
                 (32, 64), (2, 3, 4), (4, 8, 16), (32, 64, 128), (4, 8)):
-            dec.DECODE_BLOCK_N, dec.DECODE_NUM_STAGES = block_n, stages
-            dec.DECODE_NUM_STAGES_SMALL_HEAD = stages
-            dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_MIN_TOKENS_PER_SPLIT = per_sm, min_tok
-            dec.DECODE_NUM_WARPS = warps
+            for mod in (dec, dcfg):  # the launch reads dec's, the sizing dcfg's
+                mod.DECODE_BLOCK_N, mod.DECODE_NUM_STAGES = block_n, stages
+                mod.DECODE_NUM_STAGES_SMALL_HEAD = stages
+                mod.DECODE_PROGRAMS_PER_SM, mod.DECODE_MIN_TOKENS_PER_SPLIT = per_sm, min_tok
+                mod.DECODE_NUM_WARPS = warps
             backend = create_attention_backend("triton", runner=make_runner(256))
             ms = graph_time_ms(case.runner(backend))
             if ms is None:

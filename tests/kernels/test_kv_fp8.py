@@ -27,10 +27,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from srt.layers.attention.triton_ops.decode_attention import (  # noqa: E402
-    _fp8_pair_halves,
     decode_workspace_numel,
     fp8_pairs,
 )
+from srt.layers.attention.triton_ops.decode_tiles import _fp8_pair_halves  # noqa: E402
 from srt.layers.fused_triton import rope_and_store  # noqa: E402
 from srt.layers.kv_cache_dtype import dequantize_kv, quantize_kv  # noqa: E402
 from srt.layers.rotary import RotaryEmbedding  # noqa: E402

@@ -32,325 +32,41 @@ allocation, no host sync and is CUDA-graph capturable when a workspace is given.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from srt.layers.attention.triton_ops.decode_config import (
+    DECODE_BLOCK_N,
+    DECODE_MAX_KV_SPLITS,
+    DECODE_MIN_BLOCK_H,
+    DECODE_MIN_TOKENS_PER_SPLIT,
+    DECODE_NUM_STAGES,
+    DECODE_NUM_STAGES_SMALL_HEAD,
+    DECODE_NUM_WARPS,
+    DECODE_SHARED_BLOCK_M,
+    choose_num_kv_splits,
+    choose_shared_splits,
+    decode_num_stages,
+    decode_workspace,
+    decode_workspace_numel,
+    device_num_sms,
+    device_shared_memory,
+    fp8_pairs,
+)
+from srt.layers.attention.triton_ops.decode_tiles import (
+    _attend_store,
+    _decode_split_len,
+    _first_position,
+)
 from srt.layers.attention.triton_ops.prefill_attention import (
     LOG2E,
-    _capped,
-    _dot,
-    _mma,
-    _online_softmax_step,
     check_heads,
     check_layout,
     check_pool,
     dot_precision,
     interpret_upcast,
 )
-
-# Tuned on one H200 with benchmarks/sweep_triton_attention.py (32/8 heads, d 128, bf16):
-# batch 64 x 2048 went from 71% to 87% of copy bandwidth with 64-token blocks.
-DECODE_BLOCK_N = 64  # tokens per inner step of stage 1
-DECODE_MIN_BLOCK_H = 16  # tl.dot needs M >= 16: the query-head group is padded to this
-DECODE_NUM_WARPS = 4
-# Batches of unequal contexts (benchmarks/sweep_decode_ragged.py, 100-1124 tokens, one H200):
-# 3 stages against 2 took batch 64 from 75.6 to 59.7 us, 128 from 141.5 to 101.2 us and 256
-# from 231 to 178 us per layer; 4 stages equal 3 with a third more shared memory.
-DECODE_NUM_STAGES = 3
-# SmolLM2's heads (9 / 3, d 64) at batch 256 x 768: 4 stages 0.059 ms, 2 stages 0.065 ms.
-DECODE_NUM_STAGES_SMALL_HEAD = 4
-# Split rule: aim at PROGRAMS_PER_SM stage-1 programs per SM, never splits shorter than
-# MIN_TOKENS_PER_SPLIT, never more than MAX_KV_SPLITS splits. 8 (was 4) from the H200 sweeps of
-# unequal contexts (100-1124 tokens): batch 128 gets 2 splits (bf16 pool 96.6-98.2 us a layer
-# against 101.2-110.8 with 1; FP8 pool 95.0 against 101.1), batch 64 3 (59.4 us, 2: 59.7),
-# batch 256 still 1. The shared-prefix stage keeps 4 (DECODE_SHARED_PROGRAMS_PER_SM).
-DECODE_PROGRAMS_PER_SM = 8
-DECODE_SHARED_PROGRAMS_PER_SM = 4
-DECODE_MIN_TOKENS_PER_SPLIT = 128
-DECODE_MAX_KV_SPLITS = 64
-DECODE_SHARED_BLOCK_M = 64  # query rows (request x head) per program of the shared stage
-_DEFAULT_NUM_SMS = 132  # H100 / H200
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_properties(index: int) -> tuple[int, int | None]:
-    """(streaming multiprocessors, shared memory per block opt-in, None where torch lacks it)"""
-    props = torch.cuda.get_device_properties(index)
-    return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", None)
-
-
-def _cuda_index(device: torch.device | str | None) -> int | None:
-    """CUDA index of `device` (the current CUDA device if None); None without CUDA."""
-    if device is not None:
-        device = torch.device(device)
-        if device.type != "cuda":
-            return None
-    if not torch.cuda.is_available():
-        return None
-    if device is not None and device.index is not None:
-        return device.index
-    return torch.cuda.current_device()
-
-
-def device_num_sms(device: torch.device | str | None = None) -> int:
-    """Streaming multiprocessors of `device` (the current CUDA device if None); 132 without CUDA."""
-    index = _cuda_index(device)
-    return _DEFAULT_NUM_SMS if index is None else _cuda_properties(index)[0]
-
-
-def device_shared_memory(device: torch.device | str | None = None) -> int | None:
-    """Shared memory per block (opt-in) of `device` in bytes; None without CUDA or unknown."""
-    index = _cuda_index(device)
-    return None if index is None else _cuda_properties(index)[1]
-
-
-def decode_num_stages(head_dim: int, block_n: int, kv_itemsize: int,
-                      shared_memory: int | None) -> int:
-    """Stage 1's pipeline depth: DECODE_NUM_STAGES (DECODE_NUM_STAGES_SMALL_HEAD for head_dim
-    <= 64), less where `shared_memory` bytes per block (None: unknown, no limit) would not hold
-    that many K and V tiles with 16 KiB to spare (e.g. 99 KiB GPUs at d 128 get 2); never
-    below 2."""
-    stages = DECODE_NUM_STAGES_SMALL_HEAD if head_dim <= 64 else DECODE_NUM_STAGES
-    tiles = 2 * block_n * triton.next_power_of_2(head_dim) * kv_itemsize  # one K and one V
-    while (shared_memory is not None and stages > 2
-           and stages * tiles + (16 << 10) > shared_memory):
-        stages -= 1
-    return stages
-
-
-def fp8_pairs(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the decode kernels read an FP8 pool as int16 words of two channels and compute
-    in float16 (_attend_range_pairs): half-precision queries, an even head_dim of at least 32
-    (each half a tl.dot operand of >= 16). Else FP8 tiles are converted to q's dtype as read,
-    which on a GPU reads them from shared memory a byte at a time (on one H200 at batch 128,
-    contexts of 100-1124: 110-116 us a layer, slower than a bf16 pool's 101 us for twice the
-    bytes)."""
-    return (kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-            and q_dtype in (torch.bfloat16, torch.float16)
-            and head_dim % 2 == 0 and triton.next_power_of_2(head_dim) >= 32)
-
-
-def choose_shared_splits(bs: int, group: int, kv_heads: int, shared_len: int, *,
-                         num_sms: int | None = None,
-                         max_splits: int = DECODE_MAX_KV_SPLITS) -> int:
-    """Splits of the shared-prefix stage: about DECODE_SHARED_PROGRAMS_PER_SM programs per SM over
-    its (kv_heads x row blocks) grid, at least 256 prefix tokens a split. Host ints only."""
-    row_blocks = triton.cdiv(bs * group, DECODE_SHARED_BLOCK_M)
-    target = (num_sms if num_sms is not None else device_num_sms()) * DECODE_SHARED_PROGRAMS_PER_SM
-    want = triton.cdiv(target, max(1, kv_heads * row_blocks))
-    return max(1, min(want, triton.cdiv(max(1, shared_len), 256), max_splits))
-
-
-def choose_num_kv_splits(
-    bs: int,
-    kv_heads: int,
-    max_seq_len: int,
-    *,
-    num_sms: int | None = None,
-    max_splits: int = DECODE_MAX_KV_SPLITS,
-) -> int:
-    """splits = clamp(ceil(num_sms * DECODE_PROGRAMS_PER_SM / (bs * kv_heads)), 1, max_splits),
-    further limited so a split of the longest context holds at least
-    DECODE_MIN_TOKENS_PER_SPLIT tokens. Host ints only; deterministic."""
-    target = (num_sms if num_sms is not None else device_num_sms()) * DECODE_PROGRAMS_PER_SM
-    splits = triton.cdiv(target, max(1, bs * kv_heads))
-    splits = min(splits, triton.cdiv(max(1, max_seq_len), DECODE_MIN_TOKENS_PER_SPLIT))
-    return max(1, min(splits, max_splits))
-
-
-def decode_workspace_numel(bs: int, num_heads: int, head_dim: int, num_kv_splits: int) -> int:
-    return bs * num_heads * num_kv_splits * (head_dim + 1)
-
-
-def decode_workspace(
-    max_bs: int, num_heads: int, head_dim: int, num_kv_splits: int,
-    device: torch.device | str,
-) -> torch.Tensor:
-    """Flat float32 workspace big enough for any call with bs * splits <= max_bs * num_kv_splits
-    (same heads and head_dim)."""
-    numel = decode_workspace_numel(max_bs, num_heads, head_dim, num_kv_splits)
-    return torch.empty(numel, dtype=torch.float32, device=device)
-
-
-@triton.jit
-def _decode_split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-
-
-@triton.jit
-def _first_position(seq_len, shared_len, window):
-    """The first context position stage 1 reads: after the shared prefix, and within a
-    sliding window (the query sits at seq_len - 1 and sees seq_len - window on)."""
-    lo = shared_len
-    if window > 0:
-        lo = tl.maximum(lo, seq_len - window)
-    return lo
-
-
-@triton.jit
-def _block_slots(slot_row, start_n, end, BLOCK_N: tl.constexpr):
-    """(mask, pool slots as int64) of context positions start_n .. start_n + BLOCK_N - 1
-    (those at or past `end` masked, slot 0)."""
-    cur_n = start_n + tl.arange(0, BLOCK_N)
-    mask_n = cur_n < end
-    return mask_n, tl.load(slot_row + cur_n, mask=mask_n, other=0).to(tl.int64)
-
-
-@triton.jit
-def _attend_range(q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_t, start, end,
-                  qk_scale, cap2, m_i, l_i, acc, offs_d, mask_d,
-                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                  SOFTCAP: tl.constexpr):
-    """The online softmax of q's rows over context positions start..end-1, whose pool slots are
-    slot_row[start:end]; returns the updated (m_i, l_i, acc). K and V tiles are taken in q's
-    dtype as stored (an FP8 pool's values are exact in every float dtype): the caller folds an
-    FP8 pool's k_scale into qk_scale and multiplies the result by v_scale (_fp8_scales).
-    SOFTCAP: the scores are soft-capped (`_capped`, cap2 = the cap times log2(e))."""
-    if SOFTCAP:
-        step_scale = 1.0
-    else:
-        step_scale = qk_scale
-    for start_n in range(start, end, BLOCK_N):
-        mask_n, slots = _block_slots(slot_row, start_n, end, BLOCK_N)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_d[None, :], mask=kv_mask,
-                    other=0.0).to(q.dtype)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST)  # [rows, BLOCK_N], scaled below
-        qk = tl.where(mask_n[None, :], _capped(qk, qk_scale, cap2, SOFTCAP), float("-inf"))
-        v = tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_d[None, :], mask=kv_mask,
-                    other=0.0).to(q.dtype)
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, step_scale, DOT_PRECISION,
-                                             UPCAST)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _fp8_pair_halves(words, E5M2: tl.constexpr):
-    """int16 words that each hold two FP8 values of consecutive channels (the even channel in
-    the low byte) as two float16 tiles, (even channels, odd channels), with integer operations
-    only: an e5m2 byte is the top byte of a float16 (exact); e4m3's sign, exponent and mantissa
-    moved into a float16's fields unchanged give the value times 2^-8 (exact, subnormals too;
-    _fp8_scales undoes it)."""
-    u = words.to(tl.uint16, bitcast=True).to(tl.uint32)
-    if E5M2:
-        lo = u << 8
-        hi = u & 0xFF00
-    else:
-        lo = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
-        hi = (u & 0x8000) | ((u & 0x7F00) >> 1)
-    return (lo.to(tl.uint16).to(tl.float16, bitcast=True),
-            hi.to(tl.uint16).to(tl.float16, bitcast=True))
-
-
-@triton.jit
-def _attend_range_pairs(q_lo, q_hi, slot_row, kbuf_base, vbuf_base, stride_kbuf_t,
-                        stride_vbuf_t, start, end, qk_scale, cap2, m_i, l_i, acc_lo, acc_hi,
-                        offs_p, mask_p, BLOCK_N: tl.constexpr, E5M2: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                        SOFTCAP: tl.constexpr):
-    """_attend_range over an FP8 pool read as int16 words of two channels (kbuf_base,
-    vbuf_base and their strides in words; offs_p: word columns): the even and odd channels
-    are separate float16 tiles, so q (q_lo, q_hi) and the output (acc_lo, acc_hi) are split
-    the same way. Reading words keeps the tiles' shared-memory traffic 16-bit (FP8 tiles are
-    read byte by byte); float16 holds e4m3 and e5m2 values exactly."""
-    if SOFTCAP:
-        step_scale = 1.0
-    else:
-        step_scale = qk_scale
-    for start_n in range(start, end, BLOCK_N):
-        mask_n, slots = _block_slots(slot_row, start_n, end, BLOCK_N)
-        kv_mask = mask_n[:, None] & mask_p[None, :]
-        k_lo, k_hi = _fp8_pair_halves(
-            tl.load(kbuf_base + slots[:, None] * stride_kbuf_t + offs_p[None, :], mask=kv_mask,
-                    other=0), E5M2)
-        qk = _mma(q_hi, tl.trans(k_hi), _dot(q_lo, tl.trans(k_lo), DOT_PRECISION, UPCAST),
-                  DOT_PRECISION, UPCAST)
-        qk = tl.where(mask_n[None, :], _capped(qk, qk_scale, cap2, SOFTCAP), float("-inf"))
-        v_lo, v_hi = _fp8_pair_halves(
-            tl.load(vbuf_base + slots[:, None] * stride_vbuf_t + offs_p[None, :], mask=kv_mask,
-                    other=0), E5M2)
-        # _online_softmax_step with the values in two halves
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * step_scale)
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk * step_scale - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p16 = p.to(tl.float16)
-        acc_lo = _mma(p16, v_lo, acc_lo * alpha[:, None], DOT_PRECISION, UPCAST)
-        acc_hi = _mma(p16, v_hi, acc_hi * alpha[:, None], DOT_PRECISION, UPCAST)
-        m_i = m_new
-    return m_i, l_i, acc_lo, acc_hi
-
-
-@triton.jit
-def _fp8_scales(qk_scale, k_scale, v_scale, KV_FP8: tl.constexpr, PAIRS: tl.constexpr,
-                E5M2: tl.constexpr):
-    """(the score scale, the output scale) of the attend loops. An FP8 pool's stored values
-    times k_scale / v_scale are the keys / values, so q.(s k) = s (q.k) and sum p (s v) =
-    s sum p v: the scales cost one multiply per row instead of one per K/V element; e4m3
-    words read as pairs come out 2^-8 small (_fp8_pair_halves), undone here as well."""
-    if KV_FP8:
-        qk_scale = qk_scale * k_scale
-        out_scale = v_scale
-        if PAIRS and not E5M2:
-            qk_scale = qk_scale * 256.0
-            out_scale = out_scale * 256.0
-    else:
-        out_scale = 1.0
-    return qk_scale, out_scale
-
-
-@triton.jit
-def _attend_store(q_rows, mask_rows, slot_row, kbuf_base, vbuf_base, stride_kbuf_t,
-                  stride_vbuf_t, start, end, qk_scale, k_scale, v_scale, cap2, o_rows, lse_ptrs,
-                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                  KV_FP8: tl.constexpr, PAIRS: tl.constexpr, E5M2: tl.constexpr,
-                  SOFTCAP: tl.constexpr):
-    """Attend ROWS query rows (q_rows: pointers to each row's first channel) over context
-    positions start..end-1 and store each row's normalised partial output at o_rows (its first
-    channel) and its log2-sum-exp2 at lse_ptrs. PAIRS: an FP8 pool read as int16 words of two
-    channels (_attend_range_pairs), the pool's pointers and strides in words."""
-    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    if PAIRS:
-        BLOCK_P: tl.constexpr = BLOCK_D // 2
-        offs_p = tl.arange(0, BLOCK_P)
-        mask_p = offs_p < HEAD_DIM // 2
-        q_mask = mask_rows[:, None] & mask_p[None, :]
-        q_ptrs = q_rows[:, None] + 2 * offs_p[None, :]
-        # float16 queries; bf16 ones beyond float16's range (|q| > 65504) are clamped to it
-        q_lo = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
-        q_hi = tl.load(q_ptrs + 1, mask=q_mask, other=0.0).to(tl.float32)
-        q_lo = tl.minimum(tl.maximum(q_lo, -65504.0), 65504.0).to(tl.float16)
-        q_hi = tl.minimum(tl.maximum(q_hi, -65504.0), 65504.0).to(tl.float16)
-        qk_scale, out_scale = _fp8_scales(qk_scale, k_scale, v_scale, KV_FP8, PAIRS, E5M2)
-        acc_lo = tl.zeros([ROWS, BLOCK_P], dtype=tl.float32)
-        acc_hi = tl.zeros([ROWS, BLOCK_P], dtype=tl.float32)
-        m_i, l_i, acc_lo, acc_hi = _attend_range_pairs(
-            q_lo, q_hi, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_t, start,
-            end, qk_scale, cap2, m_i, l_i, acc_lo, acc_hi, offs_p, mask_p, BLOCK_N, E5M2,
-            DOT_PRECISION, UPCAST, SOFTCAP)
-        w = (out_scale / l_i)[:, None]
-        o_ptrs = o_rows[:, None] + 2 * offs_p[None, :]
-        tl.store(o_ptrs, acc_lo * w, mask=q_mask)
-        tl.store(o_ptrs + 1, acc_hi * w, mask=q_mask)
-    else:
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < HEAD_DIM
-        mask = mask_rows[:, None] & mask_d[None, :]
-        q = tl.load(q_rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        qk_scale, out_scale = _fp8_scales(qk_scale, k_scale, v_scale, KV_FP8, PAIRS, E5M2)
-        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-        m_i, l_i, acc = _attend_range(
-            q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_t, start, end,
-            qk_scale, cap2, m_i, l_i, acc, offs_d, mask_d, BLOCK_N, DOT_PRECISION, UPCAST,
-            SOFTCAP)
-        tl.store(o_rows[:, None] + offs_d[None, :], acc * (out_scale / l_i)[:, None],
-                 mask=mask)
-    tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=mask_rows)
 
 
 # Integer arguments that vary between steps are not specialized on (Triton would otherwise
@@ -666,6 +382,10 @@ def decode_attention_fwd(
 
 
 __all__ = [
+    "DECODE_MAX_KV_SPLITS",
+    "DECODE_MIN_TOKENS_PER_SPLIT",
+    "DECODE_NUM_STAGES",
+    "DECODE_NUM_STAGES_SMALL_HEAD",
     "choose_num_kv_splits",
     "choose_shared_splits",
     "decode_attention_fwd",
@@ -673,5 +393,6 @@ __all__ = [
     "decode_workspace",
     "decode_workspace_numel",
     "device_num_sms",
+    "device_shared_memory",
     "fp8_pairs",
 ]
