@@ -169,7 +169,8 @@ def prepare_fp8_checkpoint(model: nn.Module, quantized: Callable[[str], bool],
     in FP8 (`quantized(name)`) gets empty `qweight` / `weight_scale` parameters for the loader
     to fill (its `weight` goes), every such mixture-of-experts layer empty FP8 experts and
     scales; returns how many layers. `block`: the checkpoint's weight_block_size (Bn, Bk):
-    block scales `weight_scale_inv` (srt/layers/fp8_block.py); its experts are refused."""
+    block scales `weight_scale_inv` (srt/layers/fp8_block.py); its experts load in FP8 with
+    their block scales and are dequantized to the model dtype once loaded."""
     count = 0
     for name, module in list(quantizable_linears(model)):
         if quantized(name) and block is not None:
@@ -184,9 +185,9 @@ def prepare_fp8_checkpoint(model: nn.Module, quantized: Callable[[str], bool],
             count += 1
     for name, moe in list(_experts(model)):
         if quantized(name) and block is not None:
-            raise ValueError(f"{name}: experts with block-wise FP8 scales are not loaded yet "
-                             "(the linear layers are)")
-        if quantized(name):
+            moe.set_block_fp8(block)  # (dequantized once loaded: finish_block_fp8_experts)
+            count += 1
+        elif quantized(name):
             w13, w2 = moe.w13_weight, moe.w2_weight
             moe.set_fp8(torch.empty(w13.shape, dtype=FP8_DTYPE, device=w13.device),
                         torch.empty(w13.shape[:2], dtype=torch.float32, device=w13.device),

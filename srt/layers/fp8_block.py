@@ -7,6 +7,10 @@ parameter is cut by the tensor-parallel loaders in whole blocks (`tp_param` with
 output axis and input_div Bk on the input axis), so every shard and every part of a merged
 layer (q/k/v, gate/up) must be a whole number of blocks; the loaders refuse it otherwise.
 
+Experts of such a checkpoint load in FP8 with their block scales and are dequantized to the
+model dtype once loaded (`finish_block_fp8_experts`): correct, but with the memory of
+model-dtype experts until a block-scaled expert kernel exists.
+
 The product: on a GPU with half-precision activations a Triton kernel reads the FP8 weight,
 scales each tile by its block's scale in float32, rounds it to the activation dtype and
 multiplies on the tensor cores (weight-only: activations stay as they are), so the result is
@@ -75,3 +79,17 @@ def set_block_fp8(module: nn.Module, block: tuple[int, int]) -> None:
     module.quant = Fp8BlockWeight(module.qweight.data, module.weight_scale_inv.data, block)
     del module.weight
     module.weight = None
+
+
+def finish_block_fp8_experts(model: nn.Module, dtype: torch.dtype) -> int:
+    """Once a block-wise FP8 checkpoint is loaded, its experts dequantized to `dtype` (no
+    block-scaled expert kernel yet: they then hold the memory of model-dtype experts);
+    returns how many mixture-of-experts layers."""
+    from srt.layers.moe import FusedMoE
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, FusedMoE) and getattr(module, "block", None) is not None:
+            module.finish_block_fp8(dtype)
+            count += 1
+    return count

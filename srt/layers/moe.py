@@ -128,16 +128,61 @@ class FusedMoE(nn.Module):
                         ("w2_scale", w2_scale)):
             setattr(self, name, nn.Parameter(t, requires_grad=False))
 
+    def set_block_fp8(self, block: tuple[int, int]) -> None:
+        """Take a block-wise FP8 checkpoint's experts: FP8 w13 / w2 and their block scales
+        (`w13_scale_inv` [E, 2I / Bn, H / Bk], `w2_scale_inv` [E, H / Bn, I / Bk]) for the
+        loader; `finish_block_fp8` turns them into model-dtype experts once loaded."""
+        from srt.layers.fp8 import FP8_DTYPE
+
+        bn, bk = block
+        n, h = self.inter_per_rank, self.w2_weight.shape[1]
+        if n % bn or n % bk or h % bn or h % bk:
+            raise ValueError(f"experts of {h} x {n} (a rank's share) are not whole {bn} x {bk} "
+                             "FP8 blocks (weight_block_size); a smaller --tp-size may fit")
+        dev, e = self.w2_weight.device, self.local
+        self.block = block
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * n, h, dtype=FP8_DTYPE, device=dev),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e, h, n, dtype=FP8_DTYPE, device=dev),
+                                      requires_grad=False)
+        self.w13_scale_inv = nn.Parameter(torch.empty(e, 2 * n // bn, h // bk, device=dev,
+                                                      dtype=torch.float32), requires_grad=False)
+        self.w2_scale_inv = nn.Parameter(torch.empty(e, h // bn, n // bk, device=dev,
+                                                     dtype=torch.float32), requires_grad=False)
+
+    def finish_block_fp8(self, dtype: torch.dtype) -> None:
+        """The loaded block-FP8 experts dequantized to `dtype` (their scales go)."""
+        from srt.layers.fp8_block import dequantize_block
+
+        for name in ("w13", "w2"):
+            q, s = getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale_inv")
+            w = torch.stack([dequantize_block(q[i], s[i], self.block, dtype)
+                             for i in range(q.shape[0])])
+            setattr(self, f"{name}_weight", nn.Parameter(w, requires_grad=False))
+            delattr(self, f"{name}_scale_inv")
+        del self.block
+
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard_id: str
     ) -> None:
         """One expert's checkpoint tensor: w1 (gate) and w3 (up) [I, H], w2 (down) [H, I]; or,
-        into w13_scale / w2_scale, their per-row scales (srt.layers.fp8.weight_scale_rows)."""
+        into w13_scale / w2_scale, their per-row scales (srt.layers.fp8.weight_scale_rows);
+        or, into w13_scale_inv / w2_scale_inv, their block scales (cut in whole blocks)."""
         n = self.inter_per_rank
         expert_id -= self.first
         if not 0 <= expert_id < self.local:
             return  # another rank's expert (expert parallelism): not read
         rank = 0 if self.ep else self.tp_rank  # (whole experts: no slice)
+        if param is getattr(self, "w13_scale_inv", None) or \
+                param is getattr(self, "w2_scale_inv", None):
+            bn, bk = self.block
+            if shard_id == "w2":  # [H / Bn, I / Bk]: the rank's input blocks
+                param.data[expert_id].copy_(loaded.narrow(1, rank * (n // bk), n // bk))
+            else:
+                rows = n // bn
+                param.data[expert_id].narrow(0, 0 if shard_id == "w1" else rows, rows).copy_(
+                    loaded.narrow(0, rank * rows, rows))
+            return
         if param is self.w2_scale:  # one per output row H: whole on every rank
             param.data[expert_id].copy_(loaded[:])
             return

@@ -26,10 +26,10 @@ and optimum write it; srt/layers/gptq.py), symmetric or not; act-order (desc_act
 `modules_in_block_to_quantize` leaves the other layers in the model dtype; not for
 mixture-of-experts models.
 
-Block-wise FP8 (`weight_block_size` [Bn, Bk], powers of two, dynamic activations) loads for
-linear layers (srt/layers/fp8_block.py).
+Block-wise FP8 (`weight_block_size` [Bn, Bk], powers of two, dynamic activations) loads
+(srt/layers/fp8_block.py; experts dequantized to the model dtype once loaded).
 
-Refused with the reason: block-wise FP8 experts, other bit widths, AWQ's
+Refused with the reason: other bit widths, AWQ's
 GEMV / Marlin layouts or symmetric (no zero point) variant, GPTQ's Marlin / BitBLAS formats,
 per-module overrides (`dynamic`) or a quantized `lm_head`, and other methods.
 """

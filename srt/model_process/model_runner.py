@@ -300,6 +300,13 @@ class ModelRunner:
             init_dummy_weights(model, seed=self.args.random_seed or 0)
         else:
             model.load_weights(iterate_safetensors(self.config.path))
+        if ckpt is not None and ckpt.block is not None:
+            from srt.layers.fp8_block import finish_block_fp8_experts
+
+            n = finish_block_fp8_experts(model, self.dtype)
+            if n:
+                logger.info("block-FP8 experts of %d layers dequantized to %s at load (no "
+                            "block-scaled expert kernel yet)", n, str(self.dtype).split(".")[-1])
         if ckpt is not None and ckpt.method == "gptq":
             from srt.layers.gptq import finish_gptq
 

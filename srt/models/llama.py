@@ -187,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         "down_proj": ("w2_weight", "w2"),
     }
     _expert_name = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123]|gate_proj|up_proj|down_proj)"
-                              r"\.(weight|weight_scale)$")
+                              r"\.(weight|weight_scale|weight_scale_inv)$")
 
     @classmethod
     def arch_options(cls, config: Any) -> ArchOptions:
@@ -312,8 +312,9 @@ class LlamaForCausalLM(nn.Module):
             if expert is not None:
                 prefix, expert_id, which, kind = expert.groups()
                 param_name, shard = self.expert_params[which]
-                if kind == "weight_scale":  # FP8 experts: w13_scale / w2_scale
-                    param_name = param_name.replace("_weight", "_scale")
+                if kind != "weight":  # FP8 experts: w13_scale / w2_scale, or block
+                    # scales w13_scale_inv / w2_scale_inv
+                    param_name = param_name.replace("_weight", kind[len("weight"):])
                     if f"{prefix}.{param_name}" not in params:
                         raise ValueError(f"unexpected weight {name!r} in the checkpoint (its "
                                          "experts are not FP8 in srt)")

@@ -219,17 +219,17 @@ def write_block_fp8_checkpoint(src: str, dst: str, block: tuple[int, int]) -> No
         "weight_block_size": list(block)})
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_block_fp8_checkpoint_equals_its_dequantized_weights(llama: str, tmp_path: Any,
-                                                             tp: int) -> None:
+@pytest.mark.parametrize("model,tp", [("llama", 1), ("llama", 2), ("mixtral", 2)])
+def test_block_fp8_checkpoint_equals_its_dequantized_weights(request: Any, tmp_path: Any,
+                                                             model: str, tp: int) -> None:
     """Blocks of 32 x 64 (not square, so swapped axes fail), every shard and every merged
-    part a whole number of blocks at tp 2."""
+    part a whole number of blocks at tp 2; Mixtral's experts too (dequantized at load)."""
     from safetensors.torch import load_file
 
     from srt.layers.fp8_block import dequantize_block
 
     ckpt = str(tmp_path / "block")
-    write_block_fp8_checkpoint(llama, ckpt, (32, 64))
+    write_block_fp8_checkpoint(request.getfixturevalue(model), ckpt, (32, 64))
     tensors = load_file(os.path.join(ckpt, "model.safetensors"))
     state = {}
     for name, t in tensors.items():
@@ -238,9 +238,11 @@ def test_block_fp8_checkpoint_equals_its_dequantized_weights(llama: str, tmp_pat
         if t.dtype == torch.float8_e4m3fn:
             t = dequantize_block(t, tensors[name + "_scale_inv"], (32, 64), torch.float32)
         state[name] = t.float()
+    layers = 8 if model == "llama" else 6  # (qkv, o, gate_up / experts, down) x 2
     _serve_and_check(ckpt, plain_reference(ckpt, state),
                      "fp8 (fp8 checkpoint, blocks of 32x64)",
-                     "FP8 checkpoint (fp8): 8 layers load in FP8 e4m3", "--tp-size", str(tp))
+                     f"FP8 checkpoint (fp8): {layers} layers load in FP8 e4m3",
+                     "--tp-size", str(tp))
 
 
 @pytest.fixture(scope="module")
