@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 
+# Architectures whose vision tower srt runs (their prompts take images).
+IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str
@@ -50,7 +54,8 @@ class ModelConfig:
             elif isinstance(value, (list, tuple)):
                 eos.update(int(v) for v in value)
         dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
-        image = image_input_facts(cfg)
+        # (Gemma 3's multimodal checkpoints are served for text only: no image facts)
+        image = image_input_facts(cfg) if archs[0] in IMAGE_ARCHITECTURES else None
         return cls(
             path=path,
             hf_config=cfg,

@@ -13,7 +13,8 @@ a sliding layer reads only the window's keys but its older entries are not freed
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -141,3 +142,34 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3's multimodal checkpoints (4B, 12B, 27B) served for text: the language model
+    (`language_model.model.*`, or `model.language_model.*` as newer transformers write it);
+    the vision tower and projector are not read, and the prompts take no images."""
+
+    _SKIP = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+             "model.multi_modal_projector.")
+    _RENAME = (("language_model.model.", "model."), ("model.language_model.", "model."),
+               ("language_model.lm_head.", "lm_head."))
+
+    def __init__(self, config: Any, max_position: int) -> None:
+        # the top-level config says whether the LM head is the embedding
+        text = copy.copy(config.get_text_config())
+        text.tie_word_embeddings = getattr(config, "tie_word_embeddings",
+                                           text.tie_word_embeddings)
+        super().__init__(text, max_position)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        def text_weights() -> Iterator[tuple[str, Any]]:
+            for name, t in weights:
+                if name.startswith(self._SKIP):
+                    continue
+                for old, new in self._RENAME:
+                    if name.startswith(old):
+                        name = new + name[len(old):]
+                        break
+                yield name, t
+
+        super().load_weights(text_weights())

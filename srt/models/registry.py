@@ -9,6 +9,7 @@ _MODELS: dict[str, str] = {
     "DeepseekV3ForCausalLM": "srt.models.deepseek_v2:DeepseekV3ForCausalLM",
     "Gemma2ForCausalLM": "srt.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "srt.models.gemma:Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration": "srt.models.gemma:Gemma3ForConditionalGeneration",
     "LlamaForCausalLM": "srt.models.llama:LlamaForCausalLM",
     "LlavaForConditionalGeneration": "srt.models.llava:LlavaForConditionalGeneration",
     "MistralForCausalLM": "srt.models.mistral:MistralForCausalLM",

@@ -30,8 +30,22 @@ WINDOW = 8  # sliding windows: most prompts and every 48-token output pass it
 SMALL = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=8,
              num_key_value_heads=4)
 
-# architecture -> (transformers config and model class names, config overrides)
-MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
+def gemma3_multimodal_config(**text: Any) -> Any:
+    """Gemma 3's multimodal config around a text config of `text` and a one-layer vision
+    tower (as the 4B-27B checkpoints are laid out)."""
+    from transformers import Gemma3Config
+
+    vocab = text["vocab_size"]
+    return Gemma3Config(
+        text_config=text, tie_word_embeddings=text.pop("tie_word_embeddings", True),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=vocab - 3, boi_token_index=vocab - 2,
+        eoi_token_index=vocab - 1)
+
+
+# architecture -> (transformers config class name or a builder, model class name, overrides)
+MODELS: dict[str, tuple[Any, str, dict[str, Any]]] = {
     "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
@@ -91,6 +105,10 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         qk_nope_head_dim=24, v_head_dim=20, n_routed_experts=8, n_shared_experts=1,
         num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
         n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)),
+    # Gemma 3's multimodal layout (4B-27B), served for text
+    "gemma3_mm": (gemma3_multimodal_config, "Gemma3ForConditionalGeneration", dict(
+        head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=32,
+        layer_types=["sliding_attention", "full_attention"])),
     # Phi-4-mini's shape: a partial rotary factor (12 of 16 dimensions rotate), tied embeddings
     "phi3_partial": ("Phi3Config", "Phi3ForCausalLM", dict(
         pad_token_id=0, bos_token_id=1, eos_token_id=1, partial_rotary_factor=0.75,
@@ -143,7 +161,8 @@ def checkpoints(tmp_path_factory: Any) -> Any:
         if name not in cache:
             cfg_cls, model_cls, overrides = MODELS[name]
             path = save_random_model(
-                str(tmp_path_factory.mktemp(name)), getattr(transformers, cfg_cls),
+                str(tmp_path_factory.mktemp(name)),
+                cfg_cls if callable(cfg_cls) else getattr(transformers, cfg_cls),
                 getattr(transformers, model_cls), random_vectors=True, **{**SMALL, **overrides})
             if name == "deepseek_v3":
                 _randomize(path, ".e_score_correction_bias", 0.0, 0.5)
@@ -214,11 +233,12 @@ def test_greedy_equals_transformers(checkpoints: Any, name: str) -> None:
     ("qwen2_moe", ["--tp-size", "2", "--ep-size", "2"]),
     ("mistral", []), ("qwen2_window", ["--tp-size", "2"]),
     ("gemma2", []), ("gemma2", ["--tp-size", "2"]), ("gemma3", []), ("gemma3", ["--tp-size", "2"]),
+    ("gemma3_mm", []),
     ("deepseek_v2", []), ("deepseek_v2", ["--tp-size", "2", "--ep-size", "2"]),
     ("deepseek_v2_qlora", ["--tp-size", "2"]), ("deepseek_v3", ["--tp-size", "2"]),
 ], ids=["phi3-tp1", "phi3-tp2", "phi3_partial-tp2", "qwen3_moe-tp1", "qwen3_moe-tp2",
         "qwen3_moe-ep2", "qwen2_moe-tp1", "qwen2_moe-tp2", "qwen2_moe-ep2", "mistral-tp1",
-        "qwen2_window-tp2", "gemma2-tp1", "gemma2-tp2", "gemma3-tp1", "gemma3-tp2",
+        "qwen2_window-tp2", "gemma2-tp1", "gemma2-tp2", "gemma3-tp1", "gemma3-tp2", "gemma3_mm-tp1",
         "deepseek_v2-tp1", "deepseek_v2-ep2", "deepseek_v2_qlora-tp2", "deepseek_v3-tp2"])
 def test_48_steps_equal_transformers(checkpoints: Any, name: str, flags: list[str]) -> None:
     """Phi-3's fused qkv / gate_up checkpoints (split as they load, so each rank reads its
@@ -263,7 +283,7 @@ def test_unsupported_architecture_is_a_startup_error(checkpoints: Any,
     assert proc.returncode != 0
     assert ("unsupported architecture 'FooForCausalLM'; supported: DeepseekV2ForCausalLM, "
             "DeepseekV3ForCausalLM, Gemma2ForCausalLM, "
-            "Gemma3ForCausalLM, LlamaForCausalLM, "
+            "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, LlamaForCausalLM, "
             "LlavaForConditionalGeneration, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, "
             "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"
             ) in proc.stderr
