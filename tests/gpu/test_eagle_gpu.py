@@ -83,4 +83,8 @@ def test_tree_drafts_keep_the_output(tmp_path: Any, monkeypatch: Any, kind: str,
     seen = branch_counter(monkeypatch)
     s = _check_equal(target, n, False, speculative_algorithm=kind,
                      speculative_draft_model_path=head, **TREE)["stats"]
-    assert s["verify_steps"] > 0 and seen["off_main"] > 0, (s, seen)
+    assert s["verify_steps"] > 0, s
+    # 10 requests: accepted paths leave the first-child path. (With 3, in bf16 on one H100,
+    # the 11 verification steps accepted no draft at all: the output check above is what
+    # that case adds.)
+    assert n < 10 or seen["off_main"] > 0, (s, seen)

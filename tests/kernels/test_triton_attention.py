@@ -573,6 +573,18 @@ def test_backends_keep_sliding_window_and_soft_cap(mode: ForwardMode, prefix_len
     assert rel_err(want_torch, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_wide_heads_of_latent_attention(mode: str) -> None:
+    """Multi-head latent attention's shape: one KV head of 576 values (padded to 1024) read by
+    every query head, with the default tiles (which must fit in shared memory on a GPU)."""
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if mode == "decode":
+        err = run_decode_case([1, 37, 70], 16, 1, 576, dtype, 4, seed=5)
+    else:
+        err = run_extend_case([0, 13, 40], [5, 17, 3], 16, 1, 576, dtype, seed=6)
+    assert err < TOL[dtype], err
+
+
 # ====================================================================== GPU sizes
 
 GPU_HEADS, GPU_KV_HEADS, GPU_D = 32, 8, 128

@@ -293,7 +293,9 @@ def decode_attention_fwd(
     mid_o = flat[:n_o]
     mid_lse = flat[n_o:need]
 
-    block_n = block_n or DECODE_BLOCK_N
+    # (heads wider than 256, as multi-head latent attention's 576, take 16-token blocks: 64
+    # would need over 256 KiB of shared memory for one K and one V tile)
+    block_n = block_n or (DECODE_BLOCK_N if head_dim <= 256 else 16)
     block_d = triton.next_power_of_2(head_dim)
     stages = decode_num_stages(head_dim, block_n, k_buffer.element_size(),
                                device_shared_memory(q.device))

@@ -31,7 +31,11 @@ PREFILL_NUM_STAGES = 3
 
 
 def default_blocks(dtype: torch.dtype, head_dim: int = 128) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the prefill / extend kernels for `dtype` and `head_dim`."""
+    """(BLOCK_M, BLOCK_N) of the prefill / extend kernels for `dtype` and `head_dim`. Heads
+    wider than 256 (multi-head latent attention's 576, padded to 1024) take 32 x 16 tiles:
+    larger ones do not fit in shared memory."""
+    if head_dim > 256:
+        return (32, 16)
     if dtype == torch.float32:
         return PREFILL_BLOCKS["fp32"]
     return PREFILL_BLOCKS["half" if head_dim <= 128 else "wide"]
