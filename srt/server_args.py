@@ -85,11 +85,12 @@ class ServerArgs(SpeculativeArgs):
         "several fills (its KV kept between them), so running requests keep decoding between "
         "(or, with --enable-mixed-chunk, inside) those fills. -1 turns chunking off.")
     max_fill_tokens_while_decoding: int = _f(
-        -1, "While requests are decoding, a fill computes at most this many new tokens (a "
+        4096, "While requests are decoding, a fill computes at most this many new tokens (a "
         "longer prompt is chunked to it, also with chunking off), so a decode step waits for "
         "at most a fill of this size; with none decoding, --chunked-prefill-size applies. "
-        "Smaller bounds the streams' longest gap and costs long-prompt throughput. -1: no "
-        "separate cap.")
+        "Smaller bounds the streams' longest gap and costs long-prompt throughput (one H100, "
+        "Llama-3-8B shape: longest gap 131 ms at 4096 for 0.9% of long-prompt throughput, "
+        "73 ms at 2048 for 4.8%). -1: no separate cap.")
     is_embedding: bool = _f(
         False, "Serve embeddings (/v1/embeddings, /encode): each input's vector pooled from the "
         "model's last hidden states as its sentence-transformers configuration says (default: "

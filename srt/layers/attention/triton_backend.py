@@ -87,8 +87,10 @@ class TritonAttnBackend(AttentionBackend):
         self.max_bs = int(runner.max_running_requests)
         layers = runner._attention_layers() if hasattr(runner, "_attention_layers") else []
         # windows read each request's own last positions: no shared-prefix stage (nor for a
-        # model with soft-capped layers, which the shared stage is not tested with)
-        self.no_shared = any(layer.sliding_window or layer.logit_cap for layer in layers)
+        # model with soft-capped layers, which the shared stage is not tested with, nor for
+        # heads wider than 256, whose 64-row shared-stage tiles overflow shared memory)
+        self.no_shared = any(layer.sliding_window or layer.logit_cap for layer in layers) \
+            or self.head_dim > 256
         self.num_sms = device_num_sms(self.device)
         self.max_kv_splits = DECODE_MAX_KV_SPLITS
         # The flat workspace holds bs * splits partial results; size it for the largest
@@ -173,7 +175,7 @@ class TritonAttnBackend(AttentionBackend):
         o = torch.empty(q.shape, dtype=q.dtype, device=self.device)
         rows = torch.zeros(bs, dtype=torch.int64, device=self.device)
         seq_lens = torch.full((bs,), 2, dtype=torch.int64, device=self.device)
-        for shared in (0, 1):
+        for shared in (0,) if self.no_shared else (0, 1):
             decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq_lens, d**-0.5, 1,
                                  self.workspace, shared_len=shared, shared_splits=shared)
 
