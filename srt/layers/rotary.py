@@ -61,6 +61,8 @@ def _yarn(dim: int, theta: float, scaling: dict[str, Any],
     are interpolated by `factor`, those rotating more than `beta_fast` times kept, a linear
     ramp between; the factor is the paper's 0.1 ln(s) + 1 (as mscale / mscale_all_dim when
     both are given)."""
+    if "original_max_position_embeddings" not in scaling:
+        raise ValueError("yarn rope scaling needs original_max_position_embeddings")
     original = int(scaling["original_max_position_embeddings"])
     factor = scaling.get("factor") or max_position / original
     attention = scaling.get("attention_factor")

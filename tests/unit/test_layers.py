@@ -158,7 +158,28 @@ def test_longrope_matches_transformers_on_each_side(partial: float) -> None:
 
 def test_unknown_rope_type_is_rejected() -> None:
     with pytest.raises(ValueError):
+        RotaryEmbedding(16, 32, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
         RotaryEmbedding(16, 32, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+
+
+def test_yarn_equals_transformers() -> None:
+    """YaRN's inverse frequencies and cos / sin factor (DeepSeek's mscale / mscale_all_dim)
+    equal transformers' for DeepSeek-V2's parameters."""
+    from transformers import DeepseekV2Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from srt.layers.rotary import _yarn
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32,
+            "beta_slow": 1, "original_max_position_embeddings": 4096, "mscale": 1.0,
+            "mscale_all_dim": 0.707}
+    cfg = DeepseekV2Config(qk_rope_head_dim=64, head_dim=64, max_position_embeddings=163840,
+                           rope_parameters=dict(rope))
+    want_inv, want_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    inv, factor = _yarn(64, 10000.0, rope, 163840)
+    torch.testing.assert_close(inv, want_inv.float())
+    assert factor == pytest.approx(want_factor) and factor != 1.0
 
 
 # ====================================================================== attention backend
