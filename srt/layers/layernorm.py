@@ -34,8 +34,5 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm scales by (1 + weight): the checkpoint's weight is loaded plus one (in
     float32, as the reference adds it), so the forward is RMSNorm's."""
 
-    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
-        super().__init__(hidden, eps)
-
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded[:].float() + 1.0)

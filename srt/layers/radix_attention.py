@@ -39,6 +39,12 @@ class RadixAttention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
+    @property
+    def flashinfer_supported(self) -> bool:
+        """FlashInfer's wrappers are planned once a step for every layer alike: no sliding
+        window, no logit cap, no shared latent KV (the Triton and torch backends take them)."""
+        return not (self.sliding_window or self.logit_cap or self.kv_shared)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 rotary: RotaryEmbedding | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -182,8 +182,7 @@ class ModelRunner:
             args.attention_backend, args.prefill_attention_backend,
             args.decode_attention_backend, self.device.type,
             fp8_kv=self.kv_cache_dtype != self.dtype,
-            windows=any(a.sliding_window or a.logit_cap or a.kv_shared
-                        for a in self._attention_layers()))
+            triton_only=not all(a.flashinfer_supported for a in self._attention_layers()))
         self.backend_name = (prefill_name if prefill_name == decode_name
                              else f"{prefill_name} (prefill) + {decode_name} (decode)")
         if "triton" in (prefill_name, decode_name) and self.device.type == "cpu":

@@ -74,7 +74,7 @@ def test_step_backend_resolution() -> None:
     assert resolve_step_backends("auto", None, None, "cuda", fp8_kv=True) == ("triton", "triton")
     assert resolve_step_backends("triton", None, None, "cuda", fp8_kv=True) == ("triton", "triton")
     # sliding windows / soft-capped scores (Mistral, Gemma 2): the same
-    assert resolve_step_backends("auto", None, None, "cuda", windows=True) == ("triton", "triton")
+    assert resolve_step_backends("auto", None, None, "cuda", triton_only=True) == ("triton", "triton")
     # and the flashinfer backend itself refuses such layers
     from srt.layers.attention.flashinfer_backend import refuse_windows_and_caps
     from srt.layers.radix_attention import RadixAttention

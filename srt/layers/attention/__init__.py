@@ -108,7 +108,7 @@ def create_attention_backend(name: str, **kwargs: Any) -> AttentionBackend:
 
 def resolve_step_backends(attention: str, prefill: str | None, decode: str | None,
                           device_type: str, fp8_kv: bool = False,
-                          windows: bool = False) -> tuple[str, str]:
+                          triton_only: bool = False) -> tuple[str, str]:
     """(EXTEND/PREFILL backend, DECODE backend) from --attention-backend and the per-step
     overrides (None: follow --attention-backend).
 
@@ -121,14 +121,14 @@ def resolve_step_backends(attention: str, prefill: str | None, decode: str | Non
     Every backend takes an FP8 KV cache (`fp8_kv`), but there `auto` stays on Triton for both
     steps: FlashInfer has no FA3 kernel for it, and its FA2 prefill filled W1's 142,824 prompt
     tokens in 2.31 s against Triton's 2.24 s (one H200, Llama-3-8B shape, FP8 weights).
-    `windows`: the model has sliding-window or soft-capped layers, which only the Triton and
-    torch backends implement, so `auto` stays on Triton.
+    `triton_only`: the model has layers FlashInfer does not take (sliding windows, soft-capped
+    scores, shared latent KV: `RadixAttention.flashinfer_supported`), so `auto` stays on Triton.
     """
     base = resolve_backend_name(attention, device_type)
     step_prefill = resolve_backend_name(prefill, device_type) if prefill else base
     step_decode = resolve_backend_name(decode, device_type) if decode else base
     if (attention == "auto" and prefill is None and device_type == "cuda" and base == "triton"
-            and _importable("flashinfer") and not fp8_kv and not windows):
+            and _importable("flashinfer") and not fp8_kv and not triton_only):
         step_prefill = "flashinfer"
     return step_prefill, step_decode
 

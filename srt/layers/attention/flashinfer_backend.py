@@ -46,12 +46,11 @@ def build_kv_indices(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def refuse_windows_and_caps(architecture: str, layers: list[RadixAttention]) -> None:
-    """The wrappers are planned once per step for every layer alike: a model whose layers
-    differ by a sliding window or soft-cap their scores is refused at start-up."""
-    if any(layer.sliding_window or layer.logit_cap or layer.kv_shared for layer in layers):
+    """A model with layers the wrappers cannot take (`RadixAttention.flashinfer_supported`:
+    sliding windows, soft-capped scores, shared latent KV) is refused at start-up."""
+    if not all(layer.flashinfer_supported for layer in layers):
         raise ValueError(f"{architecture} has sliding-window, soft-capped or latent attention "
-                         "layers, "
-                         "which the flashinfer backend does not implement here: use "
+                         "layers, which the flashinfer backend does not implement here: use "
                          "--attention-backend triton (the default on a GPU)")
 
 
