@@ -138,13 +138,14 @@ GENERATE = Surface(
     frozenset({
         "text", "input_ids", "sampling_params", "stream", "rid", "return_logprob",
         "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "image_data", "model",
+        "lora_path",
     }),
     {
         **_ROUTING,
         **_nulls(
             "session_id", "input_embeds", "video_data", "audio_data", "mm_hashes",
             "mm_content_hashes", "video_config", "watermark", "token_ids_logprob",
-            "sampling_logprobs_mode", "modalities", "session_params", "lora_path", "lora_id",
+            "sampling_logprobs_mode", "modalities", "session_params", "lora_id",
             "custom_logit_processor", "positional_embed_overrides", "bootstrap_pair_key",
             "decode_tp_size", "routing_key", "conversation_id", "http_worker_ipc",
             "max_thinking_tokens", "priority", "extra_key", "custom_labels",
@@ -174,14 +175,14 @@ _OPENAI_IMPLEMENTED = frozenset({
     "stream", "stream_options", "temperature", "top_p", "user", "response_format", "rid",
     "top_k", "min_p", "min_tokens", "repetition_penalty", "stop_token_ids", "stop_regex",
     "no_stop_trim", "ignore_eos", "skip_special_tokens", "regex", "json_schema", "ebnf",
-    "logprobs",
+    "logprobs", "lora_path",
     # OpenAI fields that only describe the caller: nothing to do
     "metadata", "store", "service_tier",
 })
 
 _OPENAI_UNSUPPORTED = {
     **_ROUTING,
-    **_nulls("logit_bias", "lora_path", "session_id", "session_params",
+    **_nulls("logit_bias", "session_id", "session_params",
              "custom_params", "custom_logit_processor", "watermark", "images_config",
              "mm_processor_kwargs", "extra_key", "cache_salt", "priority"),
     **_falses("return_hidden_states", "return_routed_experts", "return_cached_tokens_details",

@@ -118,6 +118,29 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor, lifecycle: Any
             return _error(404, f"no request with rid {rid!r} is running", "rid", "rid_not_found")
         return {"aborted": n}
 
+    # LoRA adapters, live: SGLang's routes and vLLM's /v1/ forms (admin routes)
+    @app.post("/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Any:
+        body = await read_json(request)
+        body = body if isinstance(body, dict) else {}
+        return _lora_answer(await tm.load_lora_adapter(body.get("lora_name"),
+                                                       body.get("lora_path")), "lora_path")
+
+    @app.post("/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Any:
+        body = await read_json(request)
+        body = body if isinstance(body, dict) else {}
+        return _lora_answer(await tm.unload_lora_adapter(body.get("lora_name")), "lora_name")
+
+    def _lora_answer(out: Any, param: str) -> Any:
+        """SGLang's answer (success, the adapters loaded); a failure is a 400 that says why."""
+        if not out.success:
+            raise RequestError(out.message, param)
+        loaded = {r.name: r.path for r in tm.loras.ready()} if tm.loras is not None else {}
+        return {"success": True, "message": out.message, "loaded_adapters": loaded}
+
     openai = OpenAIAdapter(tm, args.served_model_name or str(args.model_path), chat_template,
                            args.tool_call_parser, args.reasoning_parser)
 

@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
+from srt.lora.args import LoraArgs
 from srt.speculative_args import SpeculativeArgs
 from srt.utils import free_port
 
@@ -27,7 +28,7 @@ def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
 
 
 @dataclass(frozen=True)
-class ServerArgs(SpeculativeArgs):
+class ServerArgs(SpeculativeArgs, LoraArgs):
     model_path: str | None = _f(
         None, "Hugging Face model directory. Empty: serve the default SmolLM2-135M-Instruct."
     )
@@ -95,6 +96,24 @@ class ServerArgs(SpeculativeArgs):
         False, "Serve embeddings (/v1/embeddings, /encode): each input's vector pooled from the "
         "model's last hidden states as its sentence-transformers configuration says (default: "
         "the last token's, normalized); the text routes answer 400.")
+    # Multi-LoRA serving (SGLang's flag names; srt/lora/)
+    enable_lora: bool = _f(
+        False, "Serve LoRA adapters (PEFT layout) on the base model: each request names its "
+        "adapter (lora_path on /generate, the model field on /v1/*), requests of different "
+        "adapters run in one batch. Implied by --lora-paths.")
+    lora_paths: tuple[str, ...] = _f(
+        (), "Adapters to load at start-up: NAME=PATH, a PATH (named by itself) or a JSON object "
+        "with lora_name and lora_path; more with POST /load_lora_adapter.")
+    max_loras_per_batch: int = _f(
+        8, "Adapters one batch may use (the slots of the adapter pool on the device; adapters "
+        "beyond it wait in host memory).")
+    max_lora_rank: int | None = _f(
+        None, "Largest adapter rank the pool holds (default: the largest of --lora-paths').")
+    lora_target_modules: tuple[str, ...] = _f(
+        (), "Projections adapters may adapt: q_proj k_proj v_proj o_proj gate_proj up_proj "
+        "down_proj, qkv_proj, gate_up_proj or all (default: those of --lora-paths' adapters).")
+    max_loaded_loras: int | None = _f(
+        None, "Most adapters loaded at once (default: no limit).")
     ep_size: int = _f(
         1, "Expert parallelism: 1 shards every expert of a mixture of experts over the "
         "--tp-size ranks (slices of its intermediate size); equal to --tp-size, each rank "
@@ -280,7 +299,12 @@ class ServerArgs(SpeculativeArgs):
             node_secret=(self.node_secret or _read_node_secret(self.node_secret_file)
                          or os.environ.get("SRT_NODE_SECRET") or None),
         )
+        if args.lora_paths and not args.enable_lora:
+            args = dataclasses.replace(args, enable_lora=True)
         args.validate()
+        if args.enable_lora:
+            rank, targets = args.lora_limits()
+            args = dataclasses.replace(args, max_lora_rank=rank, lora_target_modules=targets)
         if args.nnodes > 1 and args.node_secret is None:
             raise ValueError("--nnodes > 1 needs a secret shared by every node: set "
                              "SRT_NODE_SECRET or pass --node-secret-file PATH")
@@ -358,6 +382,7 @@ class ServerArgs(SpeculativeArgs):
             if self.dist_timeout <= 0:
                 raise ValueError("--dist-timeout must be > 0")
         self._validate_speculative()
+        self._validate_lora()
         if self.fault is not None:
             from srt.faults import FaultSpec
 
@@ -392,6 +417,9 @@ class ServerArgs(SpeculativeArgs):
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=help_)
                 continue
+            if str(f.type).startswith("tuple"):  # a list of values
+                parser.add_argument(flag, nargs="*", default=f.default, help=help_)
+                continue
             typ = _scalar_type(f.type)
             parser.add_argument(flag, type=typ, default=f.default, help=help_,
                                 choices=f.metadata.get("choices"))
@@ -401,8 +429,9 @@ class ServerArgs(SpeculativeArgs):
         parser = argparse.ArgumentParser(prog="python -m srt.server")
         cls.add_cli_args(parser)
         ns = parser.parse_args(argv)
-        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
-                      if hasattr(ns, f.name)})
+        values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
+                  if hasattr(ns, f.name)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 def _read_node_secret(path: str | None) -> str | None:

@@ -25,7 +25,9 @@ from srt.logsafe import escape
 logger = logging.getLogger("srt.http")
 
 # Routes that change the server's state for everyone.
-ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/load_lora_adapter",
+                         "/unload_lora_adapter", "/v1/load_lora_adapter",
+                         "/v1/unload_lora_adapter"})
 
 
 def normalize_path(path: str) -> str:

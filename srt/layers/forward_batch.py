@@ -81,6 +81,9 @@ class ForwardBatch:
     # An EAGLE draft head's step only: the features of each row (the target's hidden states,
     # or the head's own from the draft step before).
     spec_hidden: torch.Tensor | None = None
+    # The step's rows that use LoRA adapters, grouped by pool slot (srt.lora.layers.
+    # LoraBatchInfo); None: no row uses one.
+    lora: Any = None
 
 
 _current: list[ForwardBatch] = []
@@ -93,6 +96,11 @@ def forward_context(fb: ForwardBatch) -> Iterator[ForwardBatch]:
         yield fb
     finally:
         _current.pop()
+
+
+def current_lora() -> Any:
+    """The LoRA grouping of the step being computed (None: none, or outside a step)."""
+    return _current[-1].lora if _current else None
 
 
 def get_forward_batch() -> ForwardBatch:

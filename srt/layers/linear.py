@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.layers import parallel_state as ps
+from srt.layers.forward_batch import current_lora
 
 
 class QuantWeight(Protocol):
@@ -50,6 +51,9 @@ def _divide(a: int, b: int, what: str) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
+    # srt.lora.layers.LoraLinear when LoRA adapters may adapt this layer
+    lora = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = ps.tp_rank(), ps.tp_size()
@@ -67,8 +71,12 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             out = self.quant.matmul(x)
-            return out + self.bias if self.bias is not None else out
-        return F.linear(x, self.weight, self.bias)
+            out = out + self.bias if self.bias is not None else out
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        if self.lora is not None and (info := current_lora()) is not None:
+            out = self.lora.apply(x, out, info)
+        return out
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -118,6 +126,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
+    lora = None  # as ColumnParallelLinear's
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = ps.tp_rank(), ps.tp_size()
@@ -139,7 +149,9 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(dim, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = ps.all_reduce(self.quant.matmul(x) if self.quant is not None
-                            else F.linear(x, self.weight))
+        out = self.quant.matmul(x) if self.quant is not None else F.linear(x, self.weight)
+        if self.lora is not None and (info := current_lora()) is not None:
+            out = self.lora.apply(x, out, info)  # into the rank's partial sum
+        out = ps.all_reduce(out)
         # Bias after the reduction, so it is added once rather than once per rank.
         return out + self.bias if self.bias is not None else out

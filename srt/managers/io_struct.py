@@ -82,6 +82,7 @@ class TokenizedGenerateReq:
     logprob: LogprobOptions | None = None  # None: no logprobs at all
     # The prompt's image (its input_ids hold the image token exactly once), or None.
     image: ImageInput | None = None
+    lora_id: int = 0  # the LoRA adapter (srt.lora.registry's id); 0: the base model
 
 
 @message
@@ -107,12 +108,32 @@ class GetStatsReq:
 
 @message
 @dataclass
+class LoadLoraReq:
+    """Load a LoRA adapter under `lora_id` on every rank (rank 0 answers with a LoraOut)."""
+
+    rid: str
+    lora_id: int
+    name: str
+    path: str
+
+
+@message
+@dataclass
+class UnloadLoraReq:
+    rid: str
+    lora_id: int
+    name: str
+
+
+@message
+@dataclass
 class StepInput:
     """What the router sends every model rank for one scheduling round (identical for all ranks)."""
 
     reqs: list[TokenizedGenerateReq] = field(default_factory=list)
     aborts: list[AbortReq] = field(default_factory=list)
-    controls: list[Any] = field(default_factory=list)  # FlushCacheReq | GetStatsReq
+    # FlushCacheReq | GetStatsReq | LoadLoraReq | UnloadLoraReq
+    controls: list[Any] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- results (model -> router -> detok)
@@ -213,6 +234,14 @@ class FlushCacheOut:
 
 @message
 @dataclass
+class LoraOut:
+    rid: str
+    success: bool
+    message: str
+
+
+@message
+@dataclass
 class StatsOut:
     rid: str
     stats: dict[str, Any]
@@ -224,7 +253,7 @@ class StepOutput:
     """Rank 0's answer to one StepInput."""
 
     token_out: BatchTokenIdOut | None
-    controls: list[Any] = field(default_factory=list)  # FlushCacheOut | StatsOut
+    controls: list[Any] = field(default_factory=list)  # FlushCacheOut | StatsOut | LoraOut
     has_work: bool = False  # requests still running or waiting: the router keeps stepping
     # More of this round follows: the outputs of one decode step sent on at once (streaming);
     # the round's last StepOutput has partial False and carries controls and has_work.

@@ -140,12 +140,35 @@ class OpenAIAdapter:
         return self._token_bytes(token_id, text)
 
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self.model_card()]}
+        """The served model, then each LoRA adapter (its `parent` the served model)."""
+        loras = self.tm.loras.ready() if self.tm.loras is not None else []
+        return {"object": "list", "data": [self.model_card()] + [
+            {"id": r.name, "object": "model", "created": 0, "owned_by": "srt", "root": r.path,
+             "parent": self.model, "max_model_len": self.tm.limits.context_length}
+            for r in loras]}
+
+    def adapter_of(self, model: str) -> str | None:
+        """The LoRA adapter a `model` field names: `adapter` or `served-name:adapter` (None:
+        the base model; a 404 RequestError for a name that is neither)."""
+        if model in (self.model, "default"):
+            return None
+        loras = self.tm.loras
+        if loras is not None:
+            for name in (model, model.partition(":")[2] if model.startswith(self.model + ":")
+                         else None):
+                if name and name in loras.refs:
+                    return name
+        raise RequestError(f"the model {model!r} does not exist; this server serves "
+                           f"{self.model!r}" + (" and its LoRA adapters" if loras else ""),
+                           "model", "model_not_found", status=404)
 
     def model_card(self, model_id: str | None = None) -> dict[str, Any]:
         """The served model's entry of /v1/models; GET /v1/models/{id} for another id is a
         404 (RequestError)."""
         # A path's empty segments are dropped (srt/http/auth.py): "/a/b" arrives as "a/b".
+        if model_id is not None and self.tm.loras is not None \
+                and model_id.strip("/") in self.tm.loras.refs:
+            return next(m for m in self.models()["data"] if m["id"] == model_id.strip("/"))
         if model_id is not None and model_id.strip("/") != self.model.strip("/"):
             raise RequestError(f"the model {model_id!r} does not exist; this server serves "
                                f"{self.model!r}", "model", "model_not_found", status=404)
@@ -160,9 +183,7 @@ class OpenAIAdapter:
         model = body.get("model")
         if not isinstance(model, str):
             raise RequestError("model must be a string", "model", "invalid_type")
-        if model not in (self.model, "default"):
-            raise RequestError(f"the model {model!r} does not exist; this server serves "
-                               f"{self.model!r}", "model", "model_not_found", status=404)
+        adapter = self.adapter_of(model)
         body = checked_fields(surface, body)
         self._check_best_of(body)
         stream = body.get("stream", False)
@@ -180,6 +201,17 @@ class OpenAIAdapter:
                                "response_format")
         params.update(fmt)
         extra = {"rid": body["rid"]} if body.get("rid") is not None else {}
+        lora_path = body.get("lora_path")  # SGLang's field, beside `model`
+        if lora_path is not None:
+            if not isinstance(lora_path, str):
+                raise RequestError("lora_path must be an adapter name", "lora_path",
+                                   "invalid_type")
+            if adapter is not None and lora_path != adapter:
+                raise RequestError(f"model names the LoRA adapter {adapter!r} and lora_path "
+                                   f"{lora_path!r}", "lora_path")
+            adapter = lora_path
+        if adapter is not None:
+            extra["lora_path"] = adapter
         return {"stream": stream, "include_usage": bool(options.get("include_usage")),
                 "params": params, "extra": extra}
 

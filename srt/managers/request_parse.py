@@ -12,7 +12,7 @@ import dataclasses
 import uuid
 from collections.abc import Container
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from srt import field_policy
 from srt.managers.io_struct import LogprobOptions
@@ -27,6 +27,9 @@ from srt.managers.request_types import (
 from srt.sampling_params import SamplingParamError, SamplingParams, is_valid_utf8
 from srt.server_args import ServerArgs
 
+if TYPE_CHECKING:
+    from srt.lora.registry import LoraRegistry
+
 
 @dataclass
 class RequestParser:
@@ -35,6 +38,7 @@ class RequestParser:
     args: ServerArgs
     tokenizer: Any  # a transformers tokenizer
     limits: ModelLimits
+    loras: "LoraRegistry | None" = None  # the LoRA adapters (None: LoRA off)
 
     def parse(self, body: Any, rids_in_use: Container[str]) -> ParsedRequest:
         """Validate a /generate body. Raises RequestError naming the offending field; a client
@@ -62,20 +66,21 @@ class RequestParser:
         lens = [len(ids) + (self.limits.image_tokens - 1 if img is not None else 0)
                 for ids, img in zip(prompt_ids, images)]
         logprobs = self._parse_logprobs(body, lens)
+        loras = self._parse_lora(body.get("lora_path"), len(prompt_ids))
         reqs: list[SingleRequest] = []
-        for i, (ids, p, rid, lp, img, n) in enumerate(
-                zip(prompt_ids, params, rids, logprobs, images, lens)):
+        for i, (ids, p, rid, lp, img, n, lora) in enumerate(
+                zip(prompt_ids, params, rids, logprobs, images, lens, loras)):
             self._check_lengths(n, p, prompt_field)
             if p.n == 1:
                 reqs.append(SingleRequest(rid, ids, p, len(reqs), None, lp, rid,
-                                          image_source=img, prompt_len=n))
+                                          image_source=img, prompt_len=n, lora_id=lora))
                 continue
             group = uuid.uuid4().hex
             for k in range(p.n):
                 # each sample its own seed, or they would all draw the same tokens
                 pk = p if p.seed is None else dataclasses.replace(p, seed=(p.seed + k) % 2**63)
                 reqs.append(SingleRequest(f"{rid}-{k}", ids, pk, len(reqs), group, lp, rid,
-                                          image_source=img, prompt_len=n))
+                                          image_source=img, prompt_len=n, lora_id=lora))
         seen: set[str] = set()
         for r in reqs:
             if r.rid in rids_in_use or r.rid in seen:
@@ -155,6 +160,28 @@ class RequestParser:
         except SamplingParamError as e:
             raise RequestError(str(e), e.param, e.code) from None
         return [p] * n_prompts
+
+    def _parse_lora(self, raw: Any, n: int) -> list[int]:
+        """lora_path (SGLang's field: an adapter name for every prompt, or a list with one name
+        or null per prompt) -> per prompt its adapter id (0: the base model)."""
+        if raw is None:
+            return [0] * n
+        if isinstance(raw, str):
+            names: list[Any] = [raw] * n
+        elif isinstance(raw, list) and len(raw) == n:
+            names = raw
+        else:
+            raise RequestError("lora_path must be an adapter name, or a list with one name or "
+                               "null per prompt", "lora_path", "invalid_type")
+        if any(x is not None and not isinstance(x, str) for x in names):
+            raise RequestError("lora_path entries must be adapter names or null", "lora_path",
+                               "invalid_type")
+        if self.loras is None:
+            if any(x is not None for x in names):
+                raise RequestError("lora_path names a LoRA adapter but this server was started "
+                                   "without --enable-lora", "lora_path")
+            return [0] * n
+        return [0 if x is None else self.loras.resolve(x, "lora_path") for x in names]
 
     def _parse_rids(self, raw: Any, n: int) -> list[str]:
         if raw is None:

@@ -75,6 +75,7 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
     logprobs: LogprobState | None = None  # None: no logprobs asked
+    lora_id: int = 0  # its LoRA adapter (0: none): an adapter in use is not unloaded
 
     def add(self, out: StrOut) -> dict[str, Any]:
         """Fold one StrOut in; returns the answer so far."""

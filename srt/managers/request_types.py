@@ -68,6 +68,7 @@ class SingleRequest:
     image_source: str | None = None  # the prompt's image_data entry
     image: ImageInput | None = None  # set by load_images
     prompt_len: int = 0  # tokens of the prompt in the KV cache (an image counts its positions)
+    lora_id: int = 0  # its LoRA adapter (srt.lora.registry); 0: the base model
     # Internal id on the wire: unique per submission, so a client reusing a rid right after an
     # abort can never be confused with the request being aborted.
     wire_rid: str = field(default_factory=lambda: uuid.uuid4().hex)

@@ -28,10 +28,14 @@ from srt.managers.io_struct import (
     FlushCacheOut,
     FlushCacheReq,
     GetStatsReq,
+    LoadLoraReq,
+    LoraOut,
     StatsOut,
     StrOut,
     TokenizedGenerateReq,
+    UnloadLoraReq,
 )
+from srt.lora.registry import LoraRegistry
 from srt.managers.request_parse import RequestParser
 from srt.managers.request_state import Failed, LogprobState, ReqState
 from srt.managers.request_types import (
@@ -56,7 +60,10 @@ class TokenizerManager:
         self.args = args
         self.limits = limits
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
-        self.parser = RequestParser(args, self.tokenizer, limits)
+        # --enable-lora: adapter names -> ids (srt/lora/registry.py)
+        self.loras = LoraRegistry(True, args.lora_specs, args.max_loaded_loras) \
+            if args.enable_lora else None
+        self.parser = RequestParser(args, self.tokenizer, limits, self.loras)
         self.ctx = zmq.asyncio.Context()
         self.sync_ctx = zmq.Context()
         self.to_router = PushSocket(self.sync_ctx, ports.tokenizer_to_router)
@@ -138,20 +145,20 @@ class TokenizerManager:
                     state = self.states.get(out.rid)
                     if state is not None:  # None: the client left and the request was aborted
                         state.queue.put_nowait(out)
-            elif isinstance(msg, (FlushCacheOut, StatsOut)):
+            elif isinstance(msg, (FlushCacheOut, StatsOut, LoraOut)):
                 fut = self.control_waiters.pop(msg.rid, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             else:
                 logger.error("unexpected message from the detokenizer: %s", type(msg).__name__)
 
-    async def control(self, kind: type, timeout: float = 60.0) -> Any:
+    async def control(self, kind: type, timeout: float = 60.0, **fields: Any) -> Any:
         if self.failed is not None:
             raise ServerFailure(self.failed)
         rid = uuid.uuid4().hex
         fut = asyncio.get_running_loop().create_future()
         self.control_waiters[rid] = fut
-        self.to_router.send(kind(rid))
+        self.to_router.send(kind(rid, **fields))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
@@ -163,6 +170,38 @@ class TokenizerManager:
 
     async def flush_cache(self) -> FlushCacheOut:
         return await self.control(FlushCacheReq)
+
+    async def load_lora_adapter(self, name: Any, path: Any) -> LoraOut:
+        """Load an adapter on every rank; the name takes requests once they all have it."""
+        if self.loras is None:
+            raise RequestError("this server was started without --enable-lora", None)
+        if not isinstance(path, str) or not path:
+            raise RequestError("lora_path must be a non-empty string", "lora_path")
+        ref = self.loras.begin_load(name, path)
+        out: LoraOut | None = None
+        try:
+            out = await self.control(LoadLoraReq, 600.0, lora_id=ref.lora_id, name=name,
+                                     path=path)
+        finally:
+            self.loras.end_load(ref, out is not None and out.success)
+        return out
+
+    async def unload_lora_adapter(self, name: Any) -> LoraOut:
+        """Unload an adapter no request uses (one with requests in flight is refused)."""
+        if self.loras is None:
+            raise RequestError("this server was started without --enable-lora", None)
+        if not isinstance(name, str):
+            raise RequestError("lora_name must be a string", "lora_name", "invalid_type")
+        ref = self.loras.refs.get(name)
+        busy = 0 if ref is None else sum(st.lora_id == ref.lora_id and not st.finished
+                                         for st in self.states.values())
+        ref = self.loras.begin_unload(name, busy)
+        out: LoraOut | None = None
+        try:
+            out = await self.control(UnloadLoraReq, lora_id=ref.lora_id, name=name)
+        finally:
+            self.loras.end_unload(ref, out is not None and out.success)
+        return out
 
     # ------------------------------------------------------------------ requests
 
@@ -252,6 +291,7 @@ class TokenizerManager:
                 group=r.group,
                 logprob=r.logprob,
                 image=r.image,
+                lora_id=r.lora_id,
             )
             for r in parsed.reqs
         ]
@@ -259,7 +299,8 @@ class TokenizerManager:
         # No await in between: results cannot arrive before the states exist.
         for r in parsed.reqs:
             self.states[r.wire_rid] = ReqState(
-                r.rid, r.parent_rid, logprobs=LogprobState() if r.logprob is not None else None)
+                r.rid, r.parent_rid, logprobs=LogprobState() if r.logprob is not None else None,
+                lora_id=r.lora_id)
             self.user_rids.add(r.rid)
             if self.observer is not None:
                 self.observer.on_submit(r.wire_rid, parsed.stream)

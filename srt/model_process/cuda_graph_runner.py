@@ -12,10 +12,14 @@ are dropped. Inputs are copied into static buffers whose addresses the graphs ca
 attention backend refreshes its own metadata in place (`init_cuda_graph_replay`). Replayed logits
 live in the graph's output buffer and are valid until the next replay; so do the hidden states
 a model keeps for an EAGLE draft (`spec_hidden`), which replay puts back on the model.
+With LoRA adapters, every graph computes the adapters' products from static buffers of the rows
+grouped by slot (srt.lora.layers.LoraBatchInfo); a batch of no adapter replays with every group
+empty.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -62,6 +66,14 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.full((n,), self.pad_slot, dtype=torch.int64, device=dev)
         self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
+        self.lora = None
+        if runner.lora is not None:
+            from srt.lora.layers import LoraBatchInfo
+
+            slots = runner.lora.num_slots
+            self.lora = LoraBatchInfo(torch.zeros(n, dtype=torch.int64, device=dev),
+                                      torch.zeros(slots + 1, dtype=torch.int64, device=dev),
+                                      n, None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # a model's spec_hidden of each graph
@@ -82,6 +94,8 @@ class CudaGraphRunner:
             req_to_token_pool=self.runner.req_to_token_pool,
             token_to_kv_pool=self.runner.token_to_kv_pool,
             attn_backend=self.backend,
+            lora=None if self.lora is None else dataclasses.replace(
+                self.lora, rows=self.lora.rows[:bs], max_rows=bs),
         )
 
     @torch.inference_mode()
@@ -130,6 +144,12 @@ class CudaGraphRunner:
             self.out_cache_loc[bs:pbs].fill_(self.pad_slot)
             self.req_pool_indices[bs:pbs].zero_()
             self.seq_lens[bs:pbs].fill_(1)
+        if self.lora is not None:
+            if fb.lora is None:
+                self.lora.indptr.zero_()
+            else:
+                self.lora.rows[: fb.lora.rows.shape[0]].copy_(fb.lora.rows)
+                self.lora.indptr.copy_(fb.lora.indptr)
         static = self._static_batch(pbs, list(fb.seq_lens_cpu) + [1] * (pbs - bs))
         self.backend.init_cuda_graph_replay(static)
         self.graphs[pbs].replay()

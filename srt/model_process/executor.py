@@ -163,6 +163,8 @@ class StepExecutor:
             fb.decode_tail = _decode_tail(plan)
         # A verification step samples every row: the requests of its rows, in row order.
         rows_reqs = plan.verify.row_reqs if plan.verify is not None else reqs
+        if self.runner.lora is not None:
+            fb.lora = self.runner.lora.batch_info(_row_adapters(plan, rows_reqs))
         if (plan.mode == ForwardMode.DECODE and plan.sample_rows is None
                 and plan.verify is None and self.runner.wants_shared_prefix(len(reqs))):
             fb.shared_prefix_len = shared_prefix_len([r.last_node for r in reqs])
@@ -278,3 +280,15 @@ def _decode_tail(plan: StepPlan) -> int:
             break
         tail += 1
     return tail
+
+
+def _row_adapters(plan: StepPlan, rows_reqs: list[Req]) -> np.ndarray:
+    """The LoRA adapter id of each forward row (0: none): an extend's requests have
+    extend_lens rows each; a decode's one each, a verification's one per row of `rows_reqs`, and
+    the step after a jump inside the batch its rows up to each request's sampled row."""
+    ids = np.fromiter((r.lora_id for r in rows_reqs), dtype=np.int64, count=len(rows_reqs))
+    if plan.mode != ForwardMode.DECODE:
+        return np.repeat(ids, plan.extend_lens)
+    if plan.sample_rows is not None and plan.verify is None:
+        return np.repeat(ids, np.diff(np.asarray([-1, *plan.sample_rows])))
+    return ids

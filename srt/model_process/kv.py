@@ -98,10 +98,10 @@ class KVManager:
     def _insert_and_lock(self, req: Req, n: int) -> None:
         slots = self.row_slots(req, 0, n)
         old = len(req.prefix_indices)
-        present = self.tree.insert(req.fill_ids[:n], slots)
+        present = self.tree.insert(req.fill_ids[:n], slots, req.lora_id)
         if present > old:  # someone inserted the same tokens meanwhile: use theirs, free ours
             self.pool.free(slots[old:present])
-        new_prefix, new_node = self.tree.match_prefix(req.fill_ids[:n])
+        new_prefix, new_node = self.tree.match_prefix(req.fill_ids[:n], req.lora_id)
         assert req.req_pool_idx is not None and req.last_node is not None
         self.req_pool.write_spans([(req.req_pool_idx, old, new_prefix[old:])])
         self.tree.inc_lock_ref(new_node)
@@ -122,7 +122,7 @@ class KVManager:
         req.kv_valid = None
         slots = self.row_slots(req, 0, n)
         old = len(req.prefix_indices)
-        present = self.tree.insert(req.fill_ids[:n], slots)
+        present = self.tree.insert(req.fill_ids[:n], slots, req.lora_id)
         if present > old:
             self.pool.free(slots[old:present])
         if req.last_node is not None:

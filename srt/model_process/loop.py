@@ -36,14 +36,13 @@ import numpy as np
 import torch
 
 from srt.heap import HeapTrimmer
-from srt.managers.io_struct import (AbortReq, BatchTokenIdOut, FlushCacheReq, GetStatsReq,
-                                    StatsOut, StepInput, StepOutput, TokenizedGenerateReq,
-                                    TokenOut)
+from srt.managers.io_struct import (AbortReq, BatchTokenIdOut, StepInput, StepOutput,
+                                    TokenizedGenerateReq, TokenOut)
 from srt.model_config import ModelConfig
 from srt.model_process.batch import Batch, StepPlan
 from srt.model_process.constraints import ConstraintManager
 from srt.model_process.executor import InFlight, StepExecutor
-from srt.model_process.intake import flush_cache, new_req
+from srt.model_process.intake import handle_control, new_req
 from srt.model_process.kv import KVManager
 from srt.model_process.logprob_step import prefix_limit
 from srt.model_process.model_runner import ModelRunner
@@ -195,11 +194,7 @@ class ModelProcess:
                 return
 
     def _control(self, c: Any) -> Any:
-        if isinstance(c, FlushCacheReq):
-            return flush_cache(c, self.kv, len(self.running), len(self.waiting))
-        if isinstance(c, GetStatsReq):
-            return StatsOut(c.rid, self.stats())
-        raise ValueError(f"unknown control message {type(c).__name__}")
+        return handle_control(c, self)
 
     # ------------------------------------------------------------------ fill
 

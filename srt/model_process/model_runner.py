@@ -29,6 +29,7 @@ from srt.models.registry import get_model_class
 from srt.server_args import ServerArgs
 
 if TYPE_CHECKING:
+    from srt.lora.manager import LoraManager
     from srt.model_process.draft_runner import DraftRunner
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,16 @@ class ModelRunner:
             self.model.pooling = self.pooling.mode
             logger.info("embeddings: %s-token pooling%s", self.pooling.mode,
                         ", normalized" if self.pooling.normalize else "")
+        # --enable-lora: the adapters' pool on the device, --lora-paths' adapters loaded
+        self.lora: LoraManager | None = None
+        if args.enable_lora:
+            from srt.lora.manager import LoraManager
+
+            self.lora = LoraManager(self.model, config.hf_config, args.max_loras_per_batch,
+                                    args.max_lora_rank, tuple(args.lora_target_modules),
+                                    self.device, self.dtype)
+            for i, spec in enumerate(args.lora_specs):
+                self.lora.load(i + 1, spec.name, spec.path)
         if args.enable_custom_all_reduce:
             parallel_state.init_one_shot_all_reduce(ONE_SHOT_MAX_BYTES, self.dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
-def order_queue(waiting: list[Any], policy: str, rng: random.Random, root: Any = None) -> list[Any]:
+def order_queue(waiting: list[Any], policy: str, rng: random.Random,
+                roots: list[Any] | None = None) -> list[Any]:
     """Order requests whose `prefix_indices` / `last_node` were just matched.
 
     lpm: longest cached prefix first. dfs-weight: depth-first over the radix tree, heavier subtrees
@@ -41,11 +42,11 @@ def order_queue(waiting: list[Any], policy: str, rng: random.Random, root: Any =
         rng.shuffle(out)
         return out
     if policy == "dfs-weight":
-        return _dfs_weight(waiting, root)
+        return _dfs_weight(waiting, roots or [])
     raise ValueError(f"unknown schedule heuristic {policy!r}")
 
 
-def _dfs_weight(waiting: list[Any], root: Any) -> list[Any]:
+def _dfs_weight(waiting: list[Any], roots: list[Any]) -> list[Any]:
     by_node: dict[int, list[Any]] = defaultdict(list)
     weight: dict[int, int] = defaultdict(int)
     for r in sorted(waiting, key=lambda r: r.arrival):
@@ -55,7 +56,7 @@ def _dfs_weight(waiting: list[Any], root: Any) -> list[Any]:
             weight[id(node)] += 1
             node = node.parent
     out: list[Any] = []
-    stack = [root]
+    stack = list(roots)
     while stack:
         node = stack.pop()
         out.extend(by_node.get(id(node), ()))
@@ -224,16 +225,17 @@ def select_fill(waiting: list[Any], running: list[Any], kv: Any, args: Any, rng:
     for r in waiting:
         if r.prefilling:
             continue
-        r.prefix_indices, r.last_node = tree.match_prefix(r.fill_ids[: prefix_limit(r)])
+        r.prefix_indices, r.last_node = tree.match_prefix(r.fill_ids[: prefix_limit(r)],
+                                                          r.lora_id)
         if r.image is not None:
             keep = r.image.safe_prefix_len(len(r.prefix_indices))
             if keep < len(r.prefix_indices):
-                r.prefix_indices, r.last_node = tree.match_prefix(r.fill_ids[:keep])
+                r.prefix_indices, r.last_node = tree.match_prefix(r.fill_ids[:keep], r.lora_id)
     for r in waiting:
         r.extend_input_len = len(r.fill_ids) - len(r.prefix_indices)
     chunked = [r for r in waiting if r.prefilling]
     queue = chunked + order_queue([r for r in waiting if not r.prefilling],
-                                  args.schedule_heuristic, rng, tree.root)
+                                  args.schedule_heuristic, rng, tree.roots())
     adm = Admission.start(
         free=kv.pool.available_size(),
         evictable=tree.evictable_size(),
@@ -248,9 +250,16 @@ def select_fill(waiting: list[Any], running: list[Any], kv: Any, args: Any, rng:
     # wait and then reuse its KV.
     groups: set[str] = {r.group for r in chunked if r.group is not None}
     shared = InRoundPrefixes()
+    # LoRA: a batch uses at most --max-loras-per-batch adapters (the device pool's slots)
+    adapters = {r.lora_id for r in running if r.lora_id} | \
+        {r.lora_id for r in chunked if r.lora_id}
+    max_adapters = args.max_loras_per_batch if args.enable_lora else 0
     for r in queue:
         if r.grammar_pending:
             continue  # its grammar is still compiling
+        if max_adapters and r.lora_id and r.lora_id not in adapters \
+                and len(adapters) >= max_adapters:
+            continue  # its adapter would be one too many: a later batch
         if r.group is not None and r.group in groups and not r.prefilling:
             continue
         sharing = not tree.disable and not r.wants_prompt_logprobs
@@ -268,6 +277,8 @@ def select_fill(waiting: list[Any], running: list[Any], kv: Any, args: Any, rng:
             break
         r.extend_input_len = n
         batch.append(r)
+        if r.lora_id:
+            adapters.add(r.lora_id)
         if sharing:
             shared.add(r)
         if r.group is not None and sharing \

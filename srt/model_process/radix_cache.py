@@ -23,6 +23,11 @@ Contracts:
   ``ValueError``.
 * Disabled mode (``disable=True``) caches nothing: ``match_prefix`` returns an
   empty match at the root and ``insert`` frees all given slots at once.
+* Namespaces. ``match_prefix`` and ``insert`` take a namespace (an int, 0 by
+  default), each its own tree under its own root: keys of different
+  namespaces never share slots (the requests of different LoRA adapters).
+  Eviction, sizes and ``reset`` cover every namespace; ``drop_namespace``
+  frees one.
 
 The tree knows nothing of requests or scheduling and is not thread-safe.
 """
@@ -116,8 +121,10 @@ def shared_prefix_len(nodes: Sequence[TreeNode | None]) -> int:
     index = {id(x): i for i, x in enumerate(path)}
     lowest = 0  # index in `path` of the common ancestor so far
     for n in nodes[1:]:
-        while id(n) not in index:  # the root is on the path, so this ends
+        while n is not None and id(n) not in index:
             n = n.parent
+        if n is None:  # another namespace's tree
+            return 0
         lowest = max(lowest, index[id(n)])
         if lowest == len(path) - 1:
             return 0
@@ -138,17 +145,35 @@ class RadixCache:
         # A logical clock, not wall time: deterministic LRU order in tests.
         self._clock = itertools.count(1)
         self.root_node = TreeNode()  # never holds tokens, never evicted
+        self._roots: dict[int, TreeNode] = {0: self.root_node}  # by namespace
+        self._root_ids = {id(self.root_node)}
         self._evictable = 0
         self._locked = 0
 
     @property
     def root(self) -> TreeNode:
+        """Namespace 0's root."""
         return self.root_node
+
+    def roots(self) -> list[TreeNode]:
+        """The root of every namespace that holds or held tokens."""
+        return list(self._roots.values())
+
+    def _root(self, namespace: int) -> TreeNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = TreeNode()
+            self._root_ids.add(id(root))
+        return root
+
+    def _is_root(self, node: TreeNode) -> bool:
+        return id(node) in self._root_ids
 
     # ------------------------------------------------------------------ lookup
 
-    def match_prefix(self, key: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
-        """Return (slots of the longest cached prefix of key, node ending it).
+    def match_prefix(self, key: Sequence[int], namespace: int = 0
+                     ) -> tuple[torch.Tensor, TreeNode]:
+        """Return (slots of the longest cached prefix of key in `namespace`, node ending it).
 
         Splits a node if the match ends inside it, so the returned node ends
         exactly at the match and can be locked. Touches access times.
@@ -157,7 +182,7 @@ class RadixCache:
             return _EMPTY.clone(), self.root_node
         key = key if isinstance(key, list) else list(key)
         now = next(self._clock)
-        node = self.root_node
+        node = self._root(namespace)
         values: list[torch.Tensor] = []
         pos = 0
         while pos < len(key):
@@ -174,8 +199,9 @@ class RadixCache:
         slots = torch.cat(values) if values else _EMPTY.clone()
         return slots, node
 
-    def insert(self, key: Sequence[int], slots: torch.Tensor) -> int:
-        """Cache key -> slots; return how many leading tokens were already cached.
+    def insert(self, key: Sequence[int], slots: torch.Tensor, namespace: int = 0) -> int:
+        """Cache key -> slots in `namespace`; return how many leading tokens were already
+        cached.
 
         The tree takes ownership of ``slots[returned:]`` (copied, so the
         caller may reuse its buffer); ``slots[:returned]`` stay the caller's.
@@ -188,7 +214,7 @@ class RadixCache:
             return 0
         key = key if isinstance(key, list) else list(key)
         now = next(self._clock)
-        node = self.root_node
+        node = self._root(namespace)
         pos = 0
         while pos < len(key):
             child = node.children.get(key[pos])
@@ -242,7 +268,7 @@ class RadixCache:
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock node and its ancestors (not root); return the change of evictable_size() (<= 0)."""
         delta = 0
-        while node is not self.root_node:
+        while not self._is_root(node):
             assert node.parent is not None, "node is not in this tree"
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
@@ -258,7 +284,7 @@ class RadixCache:
         Raises RuntimeError, changing nothing, if any lock on the path would go negative.
         """
         path: list[TreeNode] = []
-        while node is not self.root_node:
+        while not self._is_root(node):
             if node.lock_ref <= 0 or node.parent is None:
                 raise RuntimeError(f"dec_lock_ref on unlocked or detached node {node!r}")
             path.append(node)
@@ -294,14 +320,15 @@ class RadixCache:
             self._evictable -= len(node.key)
             del parent.children[node.key[0]]
             node.parent = None  # detached: a stale dec_lock_ref on it raises
-            if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
+            if not self._is_root(parent) and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         if freed:
             self.pool.free(torch.cat(freed))  # one batched call
         return num_freed
 
     def _leaves(self) -> list[TreeNode]:
-        leaves, stack = [], list(self.root_node.children.values())
+        leaves = []
+        stack = [c for root in self._roots.values() for c in root.children.values()]
         while stack:
             node = stack.pop()
             if node.children:
@@ -327,16 +354,30 @@ class RadixCache:
         """Free every slot the tree holds and empty it; RuntimeError if anything is locked."""
         if self._locked:
             raise RuntimeError(f"reset with {self._locked} locked tokens")
-        values, stack = [], list(self.root_node.children.values())
+        for namespace in list(self._roots):
+            self.drop_namespace(namespace)
+
+    def drop_namespace(self, namespace: int) -> None:
+        """Free every slot of one namespace (none of it may be locked: RuntimeError)."""
+        root = self._roots.get(namespace)
+        if root is None:
+            return
+        values, stack = [], list(root.children.values())
         while stack:
             node = stack.pop()
+            if node.lock_ref:
+                raise RuntimeError(f"namespace {namespace} has locked tokens")
             values.append(node.value)
             stack.extend(node.children.values())
         if values:
-            self.pool.free(torch.cat(values))
+            freed = torch.cat(values)
+            self.pool.free(freed)
+            self._evictable -= len(freed)
         # Keep the root object: callers may hold it (e.g. from an empty match).
-        self.root_node.children = {}
-        self._evictable = 0
+        root.children = {}
+        if root is not self.root_node:
+            del self._roots[namespace]
+            self._root_ids.discard(id(root))
 
     # ------------------------------------------------------------------- debug
 
@@ -350,5 +391,8 @@ class RadixCache:
                 lines.append(f"{'  ' * depth}{c.key} -> {c.value.tolist()} lock={c.lock_ref}")
                 walk(c, depth + 1)
 
-        walk(self.root_node, 1)
+        for namespace, root in self._roots.items():
+            if namespace:
+                lines.append(f"namespace {namespace}")
+            walk(root, 1)
         return "\n".join(lines)

@@ -132,6 +132,9 @@ class Req:
     pool_all: bool = False
     pooled: torch.Tensor | None = None
     embedding: list[float] | None = None
+    # Its LoRA adapter's id (0: the base model): also its radix cache namespace, so that its
+    # prompt never shares KV with another adapter's
+    lora_id: int = 0
 
     @property
     def grammar_pending(self) -> bool:

@@ -91,6 +91,8 @@ def stats(p: ModelProcess) -> dict[str, Any]:
         "context_length": p.config.context_len,
         "tp_size": p.args.tp_size,
         "ep_size": p.args.ep_size,
+        # --enable-lora: the pool's limits and the adapters each rank holds (None: LoRA off)
+        "lora": p.runner.lora.info() if p.runner.lora is not None else None,
         # a mixture of experts: the experts each rank holds (whole with --ep-size, else slices)
         "experts_per_rank": next((m.local for m in p.runner.model.modules()
                                   if isinstance(m, FusedMoE)), None),

@@ -88,8 +88,9 @@ def test_is_noop(value: Any, rule: NoOp, expected: bool) -> None:
 
 
 def test_apply_drops_noops_and_keeps_implemented() -> None:
-    body = {"text": "hi", "background": False, "lora_path": [None], "log_metrics": True}
-    assert field_policy.GENERATE.apply(body) == {"text": "hi"}
+    body = {"text": "hi", "background": False, "lora_id": None, "log_metrics": True,
+            "lora_path": "a"}
+    assert field_policy.GENERATE.apply(body) == {"text": "hi", "lora_path": "a"}
     with pytest.raises(FieldError) as e:
         field_policy.GENERATE.apply({"text": "hi", "log_metrics": False, "background": True})
     assert e.value.code == "unsupported" and e.value.name == "background"  # first by name

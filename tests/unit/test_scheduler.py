@@ -345,7 +345,7 @@ def test_dfs_weight_groups_shared_subtrees_heaviest_first() -> None:
     assert [len(r.prefix_indices) for r in reqs] == [4, 3, 4, 0, 4, 2, 2]
     assert reqs[3].last_node is cache.root
     # weights: [1 2]: A, B, C, G = 4 (its children [5 6]: 2 > [3 4]: 1); [7 8]: D, E = 2
-    out = order_queue(list(reversed(reqs)), "dfs-weight", random.Random(0), cache.root)
+    out = order_queue(list(reversed(reqs)), "dfs-weight", random.Random(0), cache.roots())
     assert names(out) == ["F", "G", "B", "C", "A", "D", "E"]
 
 
@@ -369,7 +369,7 @@ def test_dfs_weight_properties(keys: list[list[int]], prompts: list[list[int]], 
     reqs = [matched(cache, f"q{i}", i, p) for i, p in enumerate(prompts)]
     waiting = list(reqs)
     random.Random(seed).shuffle(waiting)
-    out = order_queue(waiting, "dfs-weight", random.Random(0), cache.root)
+    out = order_queue(waiting, "dfs-weight", random.Random(0), cache.roots())
     # a permutation of the waiting requests
     assert sorted(map(id, out)) == sorted(map(id, reqs))
     pos = {id(r): i for i, r in enumerate(out)}

@@ -1,0 +1,116 @@
+"""The LoRA part of one tensor-parallel linear layer: the adapters' weights in pool slots, and
+the shrink / expand that adds them to the layer's output.
+
+A layer adapts one or several projections (slices of its output: q, k and v of `qkv_proj`, gate
+and up of `gate_up_proj`). Slot s of the pool holds, for every slice j, A_j in rows
+j * max_rank .. of `a` [slots, slices * max_rank, in] and B_j (times the adapter's scaling) in the
+slice's rows of `b` [slots, out, max_rank]; a smaller rank is zero-padded, a projection the
+adapter does not adapt is zero.
+
+Sharding follows the base layer (its own `weight_loader` cuts the adapter's tensors):
+column-parallel layers keep A whole and B's rows of the rank's output; row-parallel layers keep
+A's columns of the rank's input and B whole, and their LoRA output is added to the rank's partial
+sum before the layer's all-reduce (B (sum_r A_r x_r) = sum_r B A_r x_r), so LoRA costs no extra
+communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from srt.lora.sgmv import sgmv_torch, sgmv_triton
+
+
+@dataclass
+class LoraBatchInfo:
+    """A step's rows that use adapters, grouped by slot (srt.lora.sgmv): group s is
+    rows[indptr[s] : indptr[s + 1]], one group per pool slot (empty for unused slots)."""
+
+    rows: torch.Tensor  # [R] int64, on the model's device
+    indptr: torch.Tensor  # [slots + 1] int64, on the model's device
+    max_rows: int  # bound on a group's rows (the Triton grid)
+    indptr_host: list[int] | None  # the torch path's copy; None: the Triton path
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One adapted projection of a layer: its name (PEFT's), the loader's shard id, and where
+    its output lies in the layer's rank-local output."""
+
+    module: str
+    shard: object  # None (a one-projection layer), 0 / 1 (gate / up), "q" / "k" / "v"
+    out_offset: int
+    out_size: int
+
+
+class LoraLinear:
+    """Attached to a base linear layer as `layer.lora`; `apply` runs inside its forward."""
+
+    def __init__(self, base: torch.nn.Module, slices: list[Slice], in_full: int,
+                 row_parallel: bool, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.base = base
+        self.slices = slices
+        self.row_parallel = row_parallel
+        self.in_full = in_full
+        self.max_rank = max_rank
+        in_local = base.in_per_rank if row_parallel else in_full
+        out_local = sum(s.out_size for s in slices)
+        self.a = torch.zeros(num_slots, len(slices) * max_rank, in_local, dtype=dtype,
+                             device=device)
+        self.b = torch.zeros(num_slots, out_local, max_rank, dtype=dtype, device=device)
+
+    def write_slot(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Fill slot `slot` from an adapter's full (unsharded) A [r, in] / B [out, r] of this
+        layer's projections (`pairs` by PEFT name; a missing one is zero)."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for j, s in enumerate(self.slices):
+            if s.module not in pairs:
+                continue
+            a, b = pairs[s.module]
+            r = a.shape[0]
+            a_dst = self.a[slot, j * self.max_rank: j * self.max_rank + r]
+            if self.row_parallel:
+                local = torch.empty(r, a_dst.shape[1])
+                self.base.weight_loader(local, a)  # the rank's input columns
+                a_dst.copy_(local)
+                self.b[slot, :, :r].copy_(b)
+            else:
+                a_dst.copy_(a)
+                local = torch.zeros(self.b.shape[1], r)
+                if s.shard is None:
+                    self.base.weight_loader(local, b)
+                else:
+                    self.base.weight_loader(local, b, s.shard)  # the slice's rows of the rank
+                rows = slice(s.out_offset, s.out_offset + s.out_size)
+                self.b[slot, rows, :r].copy_(local[rows])
+
+    def clear_slot(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor, info: LoraBatchInfo) -> torch.Tensor:
+        """out (the base layer's output for x, or a row-parallel rank's partial sum) plus each
+        row's adapter; rows of no adapter unchanged. Writes into `out`."""
+        x2 = x.reshape(-1, x.shape[-1])
+        out2 = out.view(-1, out.shape[-1])
+        rank = self.max_rank
+        shrunk = torch.empty(x2.shape[0], self.a.shape[1], dtype=x2.dtype, device=x2.device)
+        if info.indptr_host is not None:
+            sgmv_torch(x2, self.a, shrunk, info.rows, info.indptr_host, add=False)
+            for j, s in enumerate(self.slices):
+                sgmv_torch(shrunk[:, j * rank:(j + 1) * rank],
+                           self.b[:, s.out_offset:s.out_offset + s.out_size],
+                           out2[:, s.out_offset:s.out_offset + s.out_size],
+                           info.rows, info.indptr_host, add=True)
+            return out
+        sgmv_triton(x2, self.a, shrunk, info.rows, info.indptr, info.max_rows, add=False)
+        for j, s in enumerate(self.slices):
+            sgmv_triton(shrunk[:, j * rank:(j + 1) * rank],
+                        self.b[:, s.out_offset:s.out_offset + s.out_size],
+                        out2[:, s.out_offset:s.out_offset + s.out_size],
+                        info.rows, info.indptr, info.max_rows, add=True)
+        return out
