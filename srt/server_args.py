@@ -381,8 +381,8 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
             self.dist_init  # noqa: B018 - raises if malformed
             if self.dist_timeout <= 0:
                 raise ValueError("--dist-timeout must be > 0")
-        self._validate_speculative()
         self._validate_lora()
+        self._validate_speculative()
         if self.fault is not None:
             from srt.faults import FaultSpec
 

@@ -88,3 +88,58 @@ def test_sgmv_strided_views() -> None:
     torch.testing.assert_close(out.cpu().double(), want, rtol=2e-3, atol=2e-3)
     assert torch.equal(out_all[:, :20], before[:, :20])
     assert torch.equal(out_all[:, 45:], before[:, 45:])
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("layer", ["qkv", "down"])
+def test_lora_layer_against_merged_weights(path: str, layer: str) -> None:
+    """One layer's LoRA (srt/lora/layers.py) over 3 slots of adapters of ranks 2, 4 and 8 (the
+    rank-2 one without k): each row's output is the base output plus its adapter's
+    scaling-weighted B A x, slice by slice; rows of no adapter keep the base output. A grid
+    bound (max_rows) past the rows, as a CUDA graph's, changes nothing."""
+    from srt.layers.linear import QKVParallelLinear, RowParallelLinear
+    from srt.lora.layers import LoraBatchInfo, LoraLinear, Slice
+
+    g = torch.Generator().manual_seed(3)
+    hidden, heads, kv_heads, hd = 64, 4, 2, 16
+    if layer == "qkv":
+        base = QKVParallelLinear(hidden, hd, heads, kv_heads)
+        q, kv = heads * hd, kv_heads * hd
+        slices = [Slice("q_proj", "q", 0, q), Slice("k_proj", "k", q, kv),
+                  Slice("v_proj", "v", q + kv, kv)]
+        fan_in, outs = hidden, {"q_proj": q, "k_proj": kv, "v_proj": kv}
+    else:
+        base = RowParallelLinear(96, hidden)
+        slices = [Slice("down_proj", None, 0, hidden)]
+        fan_in, outs = 96, {"down_proj": hidden}
+    base.weight.data.copy_(torch.randn(base.weight.shape, generator=g))
+    base = base.to(DEV)
+    lora = LoraLinear(base, slices, fan_in, layer == "down", 3, 8, torch.float32,
+                      torch.device(DEV))
+    adapters = []
+    for slot, r in enumerate((2, 4, 8)):
+        pairs = {m: (torch.randn(r, fan_in, generator=g), torch.randn(n, r, generator=g))
+                 for m, n in outs.items() if not (r == 2 and m == "k_proj")}
+        lora.write_slot(slot, pairs)
+        adapters.append(pairs)
+    row_slots = [1, -1, 0, 2, 2, 1, -1, 0, 2]
+    x = torch.randn(len(row_slots), fan_in, generator=g).to(DEV)
+    base_out = x @ base.weight.t()
+    want = base_out.cpu().double().clone()
+    for row, slot in enumerate(row_slots):
+        if slot < 0:
+            continue
+        parts = []
+        for s in slices:
+            if s.module in adapters[slot]:
+                a, b = adapters[slot][s.module]
+                parts.append(b.double() @ (a.double() @ x[row].cpu().double()))
+            else:
+                parts.append(torch.zeros(s.out_size, dtype=torch.float64))
+        want[row] += torch.cat(parts)
+    rows, indptr = _grouping(row_slots, 3)
+    dev_rows = rows.to(DEV)
+    info = LoraBatchInfo(dev_rows, torch.tensor(indptr, device=DEV), 16,
+                         indptr if path == "torch" else None)
+    out = lora.apply(x, base_out.clone(), info)
+    torch.testing.assert_close(out.cpu().double(), want, rtol=1e-3, atol=1e-3)
