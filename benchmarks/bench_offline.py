@@ -18,7 +18,9 @@ phase counters, `srt/model_process/step_timing.py`). `--compare-hf` then runs th
 `--hf-requests` prompts (each `--hf-output-len` tokens out, ignore_eos, temperature 0.6) through
 srt and through transformers' continuous batching (`generate_batch`, the same random-weight
 shape), and prints the throughput ratio. `--input-len-cap` / `--output-len-cap` shrink the
-workload for a CPU smoke test.
+workload for a CPU smoke test. `--lora N [--lora-rank R]`: N random adapters of rank R on all 7
+projections (`write_lora_adapters`, as the peer kit's `vllm_bench.py --lora`), request k under
+adapter k mod N (the floor is the base model's).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 
 from benchmarks.common import Shape, add_engine_args, copy_bandwidth, decode_step_times, \
     fp8_matmul_rate, hardware, matmul_rate, parse_with_server_args, print_table, start_engine, \
-    write_json
+    write_json, write_lora_adapters
 from benchmarks.hf_baseline import run_hf_generate_batch
 from srt.model_process.step_timing import PHASES, per_step_ms
 
@@ -114,6 +116,8 @@ def main() -> None:
                    help="also run the first --hf-requests prompts through transformers")
     p.add_argument("--hf-requests", type=int, default=64)
     p.add_argument("--hf-output-len", type=int, default=520)
+    p.add_argument("--lora", type=int, default=0, help="random LoRA adapters over the requests")
+    p.add_argument("--lora-rank", type=int, default=16)
     a = parse_with_server_args(p)
 
     prompts, out_lens = w1_workload(a.num_prompts)
@@ -133,7 +137,14 @@ def main() -> None:
         torch.cuda.empty_cache()  # the engine sizes its pool from the free memory
     shape = Shape.of(a.shape)
     hf_prompts = prompts[: a.hf_requests]
-    engine, startup = start_engine(a, **a.server_args)
+    lora: dict = {}
+    if a.lora:
+        import tempfile
+
+        paths = write_lora_adapters(a.shape, a.lora, a.lora_rank, tempfile.mkdtemp())
+        lora = {"lora_paths": tuple(f"adapter{k}={p}" for k, p in enumerate(paths)),
+                "max_loras_per_batch": a.lora}
+    engine, startup = start_engine(a, **{**a.server_args, **lora})
     with engine:
         info = engine.model_info
         engine.generate(input_ids=[1, 2, 3, 4, 5], sampling_params={"max_new_tokens": 16})
@@ -141,7 +152,9 @@ def main() -> None:
                   for n in out_lens]
         before = decode_step_times(engine)
         t = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        names = {"lora_path": [f"adapter{k % a.lora}" for k in range(len(prompts))]} \
+            if a.lora else {}
+        outs = engine.generate(input_ids=prompts, sampling_params=params, **names)
         wall = time.perf_counter() - t
         steps = per_step_ms(before, decode_step_times(engine))
         srt_hf = srt_fixed_len(engine, hf_prompts, a.hf_output_len) if a.compare_hf else None
@@ -154,7 +167,8 @@ def main() -> None:
     row = {
         "shape": a.shape, "tp": a.tp_size, "backend": info["attention_backend"],
         "quant": info["quantization"] or "-", "kv": info["kv_cache_dtype"],
-        "cuda_graph": info["cuda_graph"], "requests": len(prompts), "output_tokens": produced,
+        "cuda_graph": info["cuda_graph"], "lora": f"{a.lora} x r{a.lora_rank}" if a.lora else "-",
+        "requests": len(prompts), "output_tokens": produced,
         "wall_s": wall, "out_tok_per_s": produced / wall, "floor_s": floor,
         "of_floor": floor / wall, "kv_pool_tokens": info["max_total_num_tokens"],
         "startup_s": startup,

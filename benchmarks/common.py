@@ -113,6 +113,42 @@ def write_shape_dir(name: str, path: str, **config: Any) -> str:
     return path
 
 
+LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_lora_adapters(name: str, n: int, rank: int, root: str) -> list[str]:
+    """n random PEFT adapters of rank `rank` on all 7 projections of the Llama-shaped `name`
+    (bf16, N(0, 0.01) A and B, lora_alpha 2 x rank: the peer kit's vllm_bench.py writes the
+    same); returns their directories."""
+    from safetensors.torch import save_file
+
+    s = Shape.of(name)
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    dims = {"q_proj": (s.hidden, q), "k_proj": (s.hidden, kv), "v_proj": (s.hidden, kv),
+            "o_proj": (q, s.hidden), "gate_proj": (s.hidden, s.intermediate),
+            "up_proj": (s.hidden, s.intermediate), "down_proj": (s.intermediate, s.hidden)}
+    paths = []
+    for k in range(n):
+        g = torch.Generator().manual_seed(k)
+        w = {}
+        for layer in range(s.layers):
+            for m, (fan_in, fan_out) in dims.items():
+                part = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                key = f"base_model.model.model.layers.{layer}.{part}.{m}"
+                w[key + ".lora_A.weight"] = (torch.randn(rank, fan_in, generator=g)
+                                             * 0.01).to(torch.bfloat16)
+                w[key + ".lora_B.weight"] = (torch.randn(fan_out, rank, generator=g)
+                                             * 0.01).to(torch.bfloat16)
+        d = os.path.join(root, f"adapter{k}")
+        os.makedirs(d, exist_ok=True)
+        save_file(w, os.path.join(d, "adapter_model.safetensors"))
+        with open(os.path.join(d, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+                       "target_modules": LORA_MODULES}, f)
+        paths.append(d)
+    return paths
+
+
 def save_layer_prefix(src: str, dst: str, layers: int) -> str:
     """A draft model for STANDALONE speculative decoding cut from a Llama-family checkpoint:
     its first `layers` decoder layers with its embeddings, final norm and LM head (a layer-skip

@@ -24,14 +24,17 @@ class ModelProcessDriver:
                           random_seed=0, **extra)
         self.server = ModelProcess(args, 0)
 
-    def greedy(self, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
+    def greedy(self, prompts: list[list[int]], max_new: list[int],
+               lora_ids: list[int] | None = None) -> list[list[int]]:
+        """`lora_ids`: each prompt's LoRA adapter (the model process's ids; 0: none)."""
         from srt.managers.io_struct import StepInput, TokenizedGenerateReq
 
         rids = [f"r{next(_rids)}" for _ in prompts]
+        lora_ids = lora_ids or [0] * len(prompts)
         step = StepInput(reqs=[
             TokenizedGenerateReq(rid, ids, {"temperature": 0.0, "max_new_tokens": n,
-                                            "ignore_eos": True})
-            for rid, ids, n in zip(rids, prompts, max_new)])
+                                            "ignore_eos": True}, lora_id=lora)
+            for rid, ids, n, lora in zip(rids, prompts, max_new, lora_ids)])
         out: dict[str, list[int]] = {rid: [] for rid in rids}
         while True:
             res = self.server.step(step)
