@@ -45,6 +45,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
                              original_max_position_embeddings=4096, beta_fast=32.0,
                              beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)),
+    # Qwen3-30B-A3B: 128 experts of 768 (top 8, renormalized) on every layer, q/k norms
+    "qwen3-30b-a3b": dict(
+        config_class="Qwen3MoeConfig", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False),
     # Not a real model: two small layers, for tests of the benchmark scripts on the CPU.
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,

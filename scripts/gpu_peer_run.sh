@@ -10,7 +10,10 @@
 #                   benchmarks/capacity.py reads; knobs in SWEEP_ARGS, default "--request-rate
 #                   8 16 24 32 48 --num-prompts 240"), constrained (bench_constrained.py per
 #                   grammar backend with SmolLM2's tokenizer from .whlgr/tok),
-#                   tests (the gpu-marked tests in TESTS); e.g. SRT="offline:llama3-8b tests"
+#                   tests (the gpu-marked tests in TESTS), offline-lora (W1 with LoRA
+#                   adapters over the requests: LORA_ARGS, default "--lora 8 --lora-rank 16");
+#                   e.g. SRT="offline:llama3-8b tests"
+#   BUDGET=S        skip the stages that would start after S seconds of this call
 #   SRT_ARGS="..."  extra flags of every srt stage: the benchmark's own or any srt.ServerArgs
 #                   flag, e.g. "--chunked-prefill-size 8192 --enable-mixed-chunk"
 #   quantgemm       (an SRT stage, no shape) bf16 / FP8 / AWQ products at the 8B layer sizes
@@ -46,8 +49,12 @@ if [ -n "${PART:-}" ]; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
+start_s=$(date +%s)
 run() {  # run NAME TIMEOUT CMD...
   local name=$1 limit=$2; shift 2
+  if [ -n "${BUDGET:-}" ] && [ $(( $(date +%s) - start_s )) -gt "$BUDGET" ]; then
+    echo "== $name skipped (past BUDGET=$BUDGET s)"; return
+  fi
   echo "== $name"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -60,6 +67,9 @@ for stage in ${SRT:-}; do
   case $bench in
     offline) run "srt_offline_${shape}_$TAG" 300 python3 benchmarks/bench_offline.py \
                --shape "$shape" ${SRT_ARGS:-} --out "$OUT/srt_offline_${shape}_$TAG.json" ;;
+    offline-lora) run "srt_offline_lora_${shape}_$TAG" 300 python3 benchmarks/bench_offline.py \
+               --shape "$shape" ${LORA_ARGS:---lora 8 --lora-rank 16} ${SRT_ARGS:-} \
+               --out "$OUT/srt_offline_lora_${shape}_$TAG.json" ;;
     latency) run "srt_latency_${shape}_$TAG" 240 python3 benchmarks/bench_latency.py \
                --shape "$shape" --cuda-graph-max-bs 1 --runs 2 ${SRT_ARGS:-} \
                --out "$OUT/srt_latency_${shape}_$TAG.json" ;;

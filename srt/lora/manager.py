@@ -20,6 +20,7 @@ import torch
 from srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from srt.lora.adapter import BaseShapes, LoraAdapter, LoraError
 from srt.lora.layers import LoraBatchInfo, LoraLinear, Slice
+from srt.model_process.step_inputs import StagedCopier
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +89,30 @@ class LoraManager:
         self._last_use = [0] * num_slots
         self._clock = 0
         self.triton = device.type == "cuda"
+        self._copier = StagedCopier(device)
+        self._warm_up()
         nbytes = sum(lo.a.nbytes + lo.b.nbytes for ls in self.layers.values() for lo, _ in ls)
         logger.info("LoRA: %d slots of rank %d over %s (%.1f MB on %s)", num_slots, max_rank,
                     ", ".join(targets), nbytes / 1e6, device)
+
+    def _warm_up(self) -> None:
+        """Compile the Triton kernels of every layer shape now, not at the first request of
+        an adapter (one row through slot 0, which holds zeros)."""
+        if not self.triton:
+            return
+        indptr = torch.ones(self.num_slots + 1, dtype=torch.int64, device=self.device)
+        indptr[0] = 0
+        info = LoraBatchInfo(torch.zeros(1, dtype=torch.int64, device=self.device), indptr, 1,
+                             None)
+        seen: set[tuple] = set()
+        for found in self.layers.values():
+            for lora, _ in found:
+                key = (lora.a.shape, lora.b.shape, tuple(lora.slices))
+                if key not in seen:
+                    seen.add(key)
+                    x = torch.zeros(1, lora.a.shape[2], dtype=lora.a.dtype, device=self.device)
+                    out = torch.zeros(1, lora.b.shape[1], dtype=lora.b.dtype, device=self.device)
+                    lora.apply(x, out, info)
 
     # ------------------------------------------------------------ adapters
 
@@ -146,11 +168,12 @@ class LoraManager:
         slots = table[row_ids]
         valid = np.nonzero(slots >= 0)[0]
         rows = valid[np.argsort(slots[valid], kind="stable")]
+        counts = np.bincount(slots[valid], minlength=self.num_slots)
         indptr = np.zeros(self.num_slots + 1, dtype=np.int64)
-        np.cumsum(np.bincount(slots[valid], minlength=self.num_slots), out=indptr[1:])
-        both = torch.from_numpy(np.concatenate([rows, indptr]))
-        dev = both.to(self.device, non_blocking=True)
-        return LoraBatchInfo(dev[: len(rows)], dev[len(rows):], len(row_ids),
+        np.cumsum(counts, out=indptr[1:])
+        dev_rows, dev_indptr = self._copier.copy([rows, indptr])
+        # the grid's row blocks cover the largest group (a CUDA graph's cover its batch)
+        return LoraBatchInfo(dev_rows, dev_indptr, int(counts.max()),
                              None if self.triton else indptr.tolist())
 
     def info(self) -> dict[str, Any]:

@@ -107,3 +107,32 @@ class StepInputBuilder:
             req_pool_indices=dev[o3 : o3 + bs],
             seq_lens=dev[o4:],
         )
+
+
+class StagedCopier:
+    """Int64 host arrays to the device in one copy, each at an ALIGN-ed offset; on a GPU from
+    pinned double-buffered staging memory with `non_blocking=True` (as StepInputBuilder's), so
+    that the host never waits for the steps in flight."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._ring = [_Staging() for _ in range(STAGING_BUFFERS)] \
+            if device.type == "cuda" else []
+        self._next = 0
+
+    def copy(self, parts: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        starts = np.cumsum([0] + [_up(len(p)) for p in parts])
+        if not self._ring:
+            buf = torch.empty(int(starts[-1]), dtype=torch.int64)
+        else:
+            stage = self._ring[self._next]
+            self._next = (self._next + 1) % len(self._ring)
+            buf = stage.take(int(starts[-1]))
+        host = buf.numpy()
+        for p, s in zip(parts, starts):
+            host[s: s + len(p)] = p
+        if self._ring:
+            buf = buf.to(self.device, non_blocking=True)
+            stage.copied = torch.cuda.Event()
+            stage.copied.record()
+        return [buf[s: s + len(p)] for p, s in zip(parts, starts)]
