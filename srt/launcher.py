@@ -21,7 +21,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable, Iterator, Protocol
 
 from srt import cpu_threads
-from srt.server_args import PortArgs, ServerArgs
+from srt.port_args import PortArgs
+from srt.server_args import ServerArgs
 from srt.utils import ChildLink, describe_exit
 from srt.watchdog import Heartbeat, dump_stacks
 

@@ -32,7 +32,8 @@ from srt.managers import node_link
 from srt.managers.io_struct import (NodeFailure, NodeHeartbeat, NodeHello, NodeReady,
                                     NodeShutdown, NodeWelcome)
 from srt.node_hub import HEARTBEAT_S, LINK_TIMEOUT_S, describe_node
-from srt.server_args import PortArgs, ServerArgs
+from srt.port_args import PortArgs
+from srt.server_args import ServerArgs
 from srt.utils import configure_logging
 
 logger = logging.getLogger("srt.node")

@@ -146,11 +146,11 @@ def create_app(args: ServerArgs, tm: Any, supervisor: Supervisor, lifecycle: Any
 
     @app.get("/v1/models")
     async def v1_models() -> Any:
-        return openai.models()
+        return openai.cards.models()
 
     @app.get("/v1/models/{model_id:path}")
     async def v1_model(model_id: str) -> Any:
-        return openai.model_card(model_id)
+        return openai.cards.model_card(model_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:

@@ -13,7 +13,8 @@ from srt.faults import fault_point
 from srt.managers.comm import PullSocket, PushSocket
 from srt.managers.detokenize import IncrementalDetokenizer
 from srt.managers.io_struct import BatchStrOut, BatchTokenIdOut, StrOut, TokenLogprobs, TokenOut
-from srt.server_args import PortArgs, ServerArgs
+from srt.port_args import PortArgs
+from srt.server_args import ServerArgs
 from srt.utils import ChildLink, run_loop, start_child
 from srt.watchdog import IDLE_POLL_MS, Heartbeat
 

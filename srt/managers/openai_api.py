@@ -33,10 +33,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from srt import field_policy
 from srt.constrained.fsm import JSON_OBJECT_REGEX
 from srt.field_policy import Surface
-from srt.chat_templates import tools_fallback
 from srt.managers.chat_choice import ChoiceOptions, ChoiceOutput
+from srt.managers.chat_render import ChatRenderer
+from srt.managers.model_cards import ModelCards
 from srt.managers.token_bytes import TokenBytes
-from srt.managers.tool_request import plan_tools, template_message
+from srt.managers.tool_request import plan_tools
 from srt.parsers.reasoning import get_format
 from srt.managers.request_types import (
     MAX_TOP_LOGPROBS,
@@ -83,20 +84,6 @@ def _response_format(value: Any) -> dict[str, Any]:
                        "json_schema)", "response_format", "unsupported")
 
 
-def _image_url(value: Any, index: int) -> str:
-    """An image_url part's URL ({"url": ...}, or the URL itself)."""
-    url = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(url, str) or not url:
-        raise RequestError(f"messages[{index}]: an image_url part needs image_url.url",
-                           "messages", "invalid_type")
-    return url
-
-
-def _inline(parts: list[dict[str, str]], image_text: str) -> str:
-    """A message's parts as one string, the image part replaced by image_text."""
-    return "".join(p["text"] if p["type"] == "text" else image_text for p in parts)
-
-
 def _finish_reason(reason: dict[str, Any] | None) -> str | None:
     if reason is None:
         return None
@@ -121,59 +108,16 @@ class OpenAIAdapter:
         the calls of tool_choice auto; reasoning_parser (None: off) separates reasoning."""
         self.tm = tm
         self.model = served_model_name
-        self.chat_template = chat_template
+        self.cards = ModelCards(served_model_name, tm)
+        self.render = ChatRenderer(tm, chat_template)
         self.tool_call_parser = tool_call_parser
         self.reasoning = get_format(reasoning_parser) if reasoning_parser else None
         self._token_bytes: TokenBytes | None = None
-
-    def template_for(self, with_tools: bool) -> str | None:
-        """The chat template of a conversation: --chat-template if given; for one with tools
-        (definitions, calls or results) on a tokenizer whose chatml template cannot render
-        them, the built-in chatml-tools; else the tokenizer's (None)."""
-        if self.chat_template is not None or not with_tools:
-            return self.chat_template
-        return tools_fallback(getattr(self.tm.tokenizer, "chat_template", None))
 
     def token_bytes(self, token_id: int, text: str) -> list[int]:
         if self._token_bytes is None:  # built at the first chat request with logprobs
             self._token_bytes = TokenBytes(self.tm.tokenizer)
         return self._token_bytes(token_id, text)
-
-    def models(self) -> dict[str, Any]:
-        """The served model, then each LoRA adapter (its `parent` the served model)."""
-        loras = self.tm.loras.ready() if self.tm.loras is not None else []
-        return {"object": "list", "data": [self.model_card()] + [
-            {"id": r.name, "object": "model", "created": 0, "owned_by": "srt", "root": r.path,
-             "parent": self.model, "max_model_len": self.tm.limits.context_length}
-            for r in loras]}
-
-    def adapter_of(self, model: str) -> str | None:
-        """The LoRA adapter a `model` field names: `adapter` or `served-name:adapter` (None:
-        the base model; a 404 RequestError for a name that is neither)."""
-        if model in (self.model, "default"):
-            return None
-        loras = self.tm.loras
-        if loras is not None:
-            for name in (model, model.partition(":")[2] if model.startswith(self.model + ":")
-                         else None):
-                if name and name in loras.refs:
-                    return name
-        raise RequestError(f"the model {model!r} does not exist; this server serves "
-                           f"{self.model!r}" + (" and its LoRA adapters" if loras else ""),
-                           "model", "model_not_found", status=404)
-
-    def model_card(self, model_id: str | None = None) -> dict[str, Any]:
-        """The served model's entry of /v1/models; GET /v1/models/{id} for another id is a
-        404 (RequestError)."""
-        # A path's empty segments are dropped (srt/http/auth.py): "/a/b" arrives as "a/b".
-        if model_id is not None and self.tm.loras is not None \
-                and model_id.strip("/") in self.tm.loras.refs:
-            return next(m for m in self.models()["data"] if m["id"] == model_id.strip("/"))
-        if model_id is not None and model_id.strip("/") != self.model.strip("/"):
-            raise RequestError(f"the model {model_id!r} does not exist; this server serves "
-                               f"{self.model!r}", "model", "model_not_found", status=404)
-        return {"id": self.model, "object": "model", "created": 0, "owned_by": "srt",
-                "root": self.model, "max_model_len": self.tm.limits.context_length}
 
     # ------------------------------------------------------------------ parsing
 
@@ -183,7 +127,7 @@ class OpenAIAdapter:
         model = body.get("model")
         if not isinstance(model, str):
             raise RequestError("model must be a string", "model", "invalid_type")
-        adapter = self.adapter_of(model)
+        adapter = self.cards.adapter_of(model)
         body = checked_fields(surface, body)
         self._check_best_of(body)
         stream = body.get("stream", False)
@@ -301,7 +245,7 @@ class OpenAIAdapter:
         reasoning = self.reasoning if separate and not (plan and plan.constrained) else None
         c["choice"] = ChoiceOptions(plan, self.tool_call_parser, reasoning,
                                     bool_field(body, "stream_reasoning", True))
-        ids, image = self.chat_ids(body.get("messages"),
+        ids, image = self.render.chat_ids(body.get("messages"),
                                    tools=list(plan.tools) if plan is not None else None)
         # max_completion_tokens, unless it is absent or null (SGLang's gateway sends both)
         budget_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
@@ -335,85 +279,6 @@ class OpenAIAdapter:
             if e.param != "image_data":
                 raise
             raise RequestError(f"the image_url part: {e}", "messages", e.code, e.status) from None
-
-    def chat_ids(self, messages: Any, add_generation_prompt: bool = True,
-                 tools: list[dict[str, Any]] | None = None) -> tuple[list[int], str | None]:
-        """The templated prompt's token ids, and the URL of its image (at most one per
-        request: an `image_url` part of a user message), or None. `tools` (OpenAI's tool
-        definitions) are given to the template."""
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty list", "messages", "invalid_type")
-        # Each message as a list of parts: {"type": "text", "text"} or {"type": "image"}.
-        parts_per_message: list[list[dict[str, str]]] = []
-        extras: list[dict[str, Any]] = []  # each message's tool fields, for the template
-        images: list[str] = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant",
-                                                                "tool"):
-                raise RequestError(f"messages[{i}] needs a role of system, user, assistant or "
-                                   "tool", "messages", "invalid_value")
-            extras.append(template_message(m, i))
-            content = m.get("content")
-            if content is None and "tool_calls" in extras[-1]:
-                content = ""  # an assistant message that only calls tools
-            if isinstance(content, str):
-                parts_per_message.append([{"type": "text", "text": content}])
-                continue
-            if not isinstance(content, list):
-                raise RequestError(f"messages[{i}].content must be a string or a list of parts",
-                                   "messages", "invalid_type")
-            parts = []
-            for p in content:
-                if isinstance(p, dict) and p.get("type") == "text" and isinstance(
-                        p.get("text"), str):
-                    parts.append({"type": "text", "text": p["text"]})
-                elif isinstance(p, dict) and p.get("type") == "image_url" \
-                        and m["role"] == "user":
-                    images.append(_image_url(p.get("image_url"), i))
-                    parts.append({"type": "image"})
-                else:
-                    raise RequestError(f"messages[{i}].content: only text parts, and image_url "
-                                       "parts in user messages, are supported", "messages",
-                                       "unsupported")
-            parts_per_message.append(parts)
-        if len(images) > 1:
-            raise RequestError("at most one image per request is supported", "messages",
-                               "unsupported")
-        roles = [m["role"] for m in messages]
-        template = self.template_for(bool(tools) or any(extras))
-
-        def render(contents: list[Any]) -> list[int]:
-            conversation = [{"role": r, "content": c, **x}
-                            for r, c, x in zip(roles, contents, extras)]
-            return self._apply_template(conversation, template, add_generation_prompt, tools)
-
-        if not images:
-            return render([_inline(p, "") for p in parts_per_message]), None
-        token = self.tm.limits.image_token_id
-        if token is None:
-            raise RequestError("this model does not take images", "messages", "unsupported")
-        # A template written for images renders {"type": "image"} parts itself; for one that
-        # takes plain strings, the image token's text goes where the image part was.
-        try:
-            ids = render(parts_per_message)
-            if ids.count(token) == 1:
-                return ids, images[0]
-        except RequestError:
-            pass
-        text = self.tm.tokenizer.convert_ids_to_tokens(token)
-        return render([_inline(p, text) for p in parts_per_message]), images[0]
-
-    def _apply_template(self, conversation: list[dict[str, Any]], template: str | None,
-                        add_generation_prompt: bool,
-                        tools: list[dict[str, Any]] | None) -> list[int]:
-        try:
-            ids = self.tm.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt,
-                chat_template=template, tools=tools or None
-            )
-        except Exception as e:  # no template, or the template rejected the conversation
-            raise RequestError(f"the chat template failed: {e}", "messages") from None
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     # ------------------------------------------------------------------ answers
 

@@ -34,7 +34,7 @@ def tokenize(adapter: OpenAIAdapter, body: Any) -> dict[str, Any]:
     if (prompt is None) == (messages is None):
         raise RequestError("give exactly one of prompt and messages", "prompt")
     if messages is not None:
-        ids, _ = adapter.chat_ids(messages, bool_field(body, "add_generation_prompt", True))
+        ids, _ = adapter.render.chat_ids(messages, bool_field(body, "add_generation_prompt", True))
         return {"tokens": ids, "count": len(ids), "max_model_len": tm.limits.context_length}
     special = bool_field(body, "add_special_tokens", True)
     prompts = [prompt] if isinstance(prompt, str) else prompt

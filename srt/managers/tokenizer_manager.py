@@ -45,7 +45,8 @@ from srt.managers.request_types import (
     ServerFailure,
     checked_fields,
 )
-from srt.server_args import PortArgs, ServerArgs
+from srt.port_args import PortArgs
+from srt.server_args import ServerArgs
 
 # Callers and tests import these from here as well as from request_types.
 __all__ = ["TokenizerManager", "RequestError", "checked_fields"]

@@ -130,7 +130,7 @@ class ModelProcess:
             self._add_request(r)
         for a in inp.aborts:
             self._abort(a, outs)
-        controls = [self._control(c) for c in inp.controls]
+        controls = [handle_control(c, self) for c in inp.controls]
         for r in self.constraints.resolve(self.waiting):
             self.waiting.remove(r)
             outs.append(self.output.token_out(r))
@@ -192,9 +192,6 @@ class ModelProcess:
                 req.end(FinishReason.abort(a.message))
                 outs.append(self.output.token_out(req))
                 return
-
-    def _control(self, c: Any) -> Any:
-        return handle_control(c, self)
 
     # ------------------------------------------------------------------ fill
 

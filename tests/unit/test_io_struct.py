@@ -22,7 +22,9 @@ from srt.managers.io_struct import (
     FlushCacheReq,
     GetStatsReq,
     ImageInput,
+    LoadLoraReq,
     LogprobOptions,
+    LoraOut,
     SpecCounts,
     StatsOut,
     StepInput,
@@ -31,6 +33,7 @@ from srt.managers.io_struct import (
     TokenizedGenerateReq,
     TokenLogprobs,
     TokenOut,
+    UnloadLoraReq,
     decode,
     encode,
     registered_messages,
@@ -63,7 +66,7 @@ def samples() -> dict[str, list[Any]]:
     gen = TokenizedGenerateReq(rid="a1", input_ids=[1, 2, 3, 65535, 2**40], sampling_params=SP,
                                stream=True, group="g-1", logprob=options)
     image = ImageInput(bytes(range(256)) * 3, [3, 8, 8], "0f" * 32)
-    with_image = TokenizedGenerateReq("im", [1, 49152, 2], SP, image=image)
+    with_image = TokenizedGenerateReq("im", [1, 49152, 2], SP, image=image, lora_id=7)
     with_lp = dataclasses.replace(token_out("e5"), input_logprobs=PROMPT_LP,
                                   output_logprobs=TokenLogprobs([-2.5, -0.75, -0.125], [5, 6, 7],
                                                                 [[], [], []], [[], [], []]),
@@ -82,6 +85,9 @@ def samples() -> dict[str, list[Any]]:
         "AbortReq": [AbortReq("a1"), AbortReq("b", message="client gone ✓")],
         "FlushCacheReq": [FlushCacheReq("f")],
         "GetStatsReq": [GetStatsReq("s")],
+        "LoadLoraReq": [LoadLoraReq("l", 3, "sql", "/adapters/sql ✓")],
+        "UnloadLoraReq": [UnloadLoraReq("u", 3, "sql")],
+        "LoraOut": [LoraOut("l", False, "rank 64 is over --max-lora-rank 16")],
         "StepInput": [
             StepInput(),
             StepInput(reqs=[gen, TokenizedGenerateReq("y", [9], SP, group=None)],
