@@ -26,11 +26,14 @@ from srt.lora.sgmv import sgmv_torch, sgmv_triton
 @dataclass
 class LoraBatchInfo:
     """A step's rows that use adapters, grouped by slot (srt.lora.sgmv): group s is
-    rows[indptr[s] : indptr[s + 1]], one group per pool slot (empty for unused slots)."""
+    rows[indptr[s] : indptr[s + 1]], one group per pool slot (empty for unused slots); and the
+    Triton path's block table of that grouping (`row_blocks`, block_m rows a block)."""
 
     rows: torch.Tensor  # [R] int64, on the model's device
     indptr: torch.Tensor  # [slots + 1] int64, on the model's device
-    max_rows: int  # bound on a group's rows (the Triton grid)
+    block_slot: torch.Tensor  # [blocks] int64 (-1: padding)
+    block_start: torch.Tensor  # [blocks] int64
+    block_m: int
     indptr_host: list[int] | None  # the torch path's copy; None: the Triton path
 
 
@@ -107,10 +110,10 @@ class LoraLinear:
                            out2[:, s.out_offset:s.out_offset + s.out_size],
                            info.rows, info.indptr_host, add=True)
             return out
-        sgmv_triton(x2, self.a, shrunk, info.rows, info.indptr, info.max_rows, add=False)
+        blocks = (info.rows, info.indptr, info.block_slot, info.block_start, info.block_m)
+        sgmv_triton(x2, self.a, shrunk, *blocks, add=False)
         for j, s in enumerate(self.slices):
             sgmv_triton(shrunk[:, j * rank:(j + 1) * rank],
                         self.b[:, s.out_offset:s.out_offset + s.out_size],
-                        out2[:, s.out_offset:s.out_offset + s.out_size],
-                        info.rows, info.indptr, info.max_rows, add=True)
+                        out2[:, s.out_offset:s.out_offset + s.out_size], *blocks, add=True)
         return out

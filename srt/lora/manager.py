@@ -20,9 +20,11 @@ import torch
 from srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from srt.lora.adapter import BaseShapes, LoraAdapter, LoraError
 from srt.lora.layers import LoraBatchInfo, LoraLinear, Slice
+from srt.lora.sgmv import block_m_for, row_blocks
 from srt.model_process.step_inputs import StagedCopier
 
 logger = logging.getLogger(__name__)
+_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 def _attach(model: torch.nn.Module, base: BaseShapes, targets: tuple[str, ...], slots: int,
@@ -100,10 +102,11 @@ class LoraManager:
         an adapter (one row through slot 0, which holds zeros)."""
         if not self.triton:
             return
-        indptr = torch.ones(self.num_slots + 1, dtype=torch.int64, device=self.device)
+        dev = self.device
+        indptr = torch.ones(self.num_slots + 1, dtype=torch.int64, device=dev)
         indptr[0] = 0
-        info = LoraBatchInfo(torch.zeros(1, dtype=torch.int64, device=self.device), indptr, 1,
-                             None)
+        zero = torch.zeros(1, dtype=torch.int64, device=dev)
+        info = LoraBatchInfo(zero, indptr, zero, zero, block_m_for(1), None)
         seen: set[tuple] = set()
         for found in self.layers.values():
             for lora, _ in found:
@@ -171,10 +174,13 @@ class LoraManager:
         counts = np.bincount(slots[valid], minlength=self.num_slots)
         indptr = np.zeros(self.num_slots + 1, dtype=np.int64)
         np.cumsum(counts, out=indptr[1:])
-        dev_rows, dev_indptr = self._copier.copy([rows, indptr])
-        # the grid's row blocks cover the largest group (a CUDA graph's cover its batch)
-        return LoraBatchInfo(dev_rows, dev_indptr, int(counts.max()),
-                             None if self.triton else indptr.tolist())
+        if not self.triton:
+            return LoraBatchInfo(torch.from_numpy(rows), torch.from_numpy(indptr), _EMPTY,
+                                 _EMPTY, 0, indptr.tolist())
+        block_m = block_m_for(len(row_ids))
+        block_slot, block_start = row_blocks(counts, indptr, block_m)
+        dev = self._copier.copy([rows, indptr, block_slot, block_start])
+        return LoraBatchInfo(*dev, block_m, None)
 
     def info(self) -> dict[str, Any]:
         return {"max_loras_per_batch": self.num_slots, "max_lora_rank": self.max_rank,

@@ -69,15 +69,25 @@ class CudaGraphRunner:
         self.lora = None
         if runner.lora is not None:
             from srt.lora.layers import LoraBatchInfo
+            from srt.lora.sgmv import block_m_for, max_row_blocks
 
-            slots = runner.lora.num_slots
-            self.lora = LoraBatchInfo(torch.zeros(n, dtype=torch.int64, device=dev),
-                                      torch.zeros(slots + 1, dtype=torch.int64, device=dev),
-                                      n, None)
+            slots, block_m = runner.lora.num_slots, block_m_for(n)
+            blocks = max_row_blocks(n, slots, block_m)
+            self.lora = LoraBatchInfo(
+                torch.zeros(n, dtype=torch.int64, device=dev),
+                torch.zeros(slots + 1, dtype=torch.int64, device=dev),
+                torch.full((blocks,), -1, dtype=torch.int64, device=dev),
+                torch.zeros(blocks, dtype=torch.int64, device=dev), block_m, None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # a model's spec_hidden of each graph
         self.mempool: Any = None
+
+    def _lora_blocks(self, bs: int) -> int:
+        """The LoRA block table's length in the graph of `bs` rows."""
+        from srt.lora.sgmv import max_row_blocks
+
+        return max_row_blocks(bs, self.runner.lora.num_slots, self.lora.block_m)
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         return ForwardBatch(
@@ -95,7 +105,9 @@ class CudaGraphRunner:
             token_to_kv_pool=self.runner.token_to_kv_pool,
             attn_backend=self.backend,
             lora=None if self.lora is None else dataclasses.replace(
-                self.lora, rows=self.lora.rows[:bs], max_rows=bs),
+                self.lora, rows=self.lora.rows[:bs],
+                block_slot=self.lora.block_slot[:self._lora_blocks(bs)],
+                block_start=self.lora.block_start[:self._lora_blocks(bs)]),
         )
 
     @torch.inference_mode()
@@ -145,11 +157,15 @@ class CudaGraphRunner:
             self.req_pool_indices[bs:pbs].zero_()
             self.seq_lens[bs:pbs].fill_(1)
         if self.lora is not None:
-            if fb.lora is None:
-                self.lora.indptr.zero_()
-            else:
-                self.lora.rows[: fb.lora.rows.shape[0]].copy_(fb.lora.rows)
-                self.lora.indptr.copy_(fb.lora.indptr)
+            lo = self.lora
+            lo.block_slot.fill_(-1)  # blocks past the step's: padding
+            if fb.lora is not None:
+                assert fb.lora.block_m == lo.block_m
+                nb = fb.lora.block_slot.shape[0]
+                lo.rows[: fb.lora.rows.shape[0]].copy_(fb.lora.rows)
+                lo.indptr.copy_(fb.lora.indptr)
+                lo.block_slot[:nb].copy_(fb.lora.block_slot)
+                lo.block_start[:nb].copy_(fb.lora.block_start)
         static = self._static_batch(pbs, list(fb.seq_lens_cpu) + [1] * (pbs - bs))
         self.backend.init_cuda_graph_replay(static)
         self.graphs[pbs].replay()

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from srt.lora.sgmv import sgmv_torch, sgmv_triton  # noqa: E402
+from srt.lora.sgmv import row_blocks, sgmv_torch, sgmv_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 POISON = 1234.5
@@ -29,6 +29,24 @@ def _grouping(row_slots: list[int], slots: int) -> tuple[torch.Tensor, list[int]
     rows = valid[np.argsort(s[valid], kind="stable")]
     indptr = np.concatenate([[0], np.cumsum(np.bincount(s[valid], minlength=slots))])
     return torch.from_numpy(rows.astype(np.int64)), indptr.tolist()
+
+
+def _blocks(row_slots: list[int], slots: int, block_m: int, pad: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouping's block table on the device, with `pad` padding blocks (slot -1) after."""
+    s = np.asarray(row_slots)
+    counts = np.bincount(s[s >= 0], minlength=slots)
+    indptr = np.concatenate([[0], np.cumsum(counts)])
+    slot, start = row_blocks(counts, indptr, block_m)
+    slot = np.concatenate([slot, np.full(pad, -1)])
+    start = np.concatenate([start, np.zeros(pad, dtype=np.int64)])
+    return torch.from_numpy(slot).to(DEV), torch.from_numpy(start).to(DEV)
+
+
+def _triton(x, w, out, row_slots, slots, add, block_m=16, pad=0) -> None:  # noqa: ANN001
+    rows, indptr = _grouping(row_slots, slots)
+    sgmv_triton(x, w, out, rows.to(DEV), torch.tensor(indptr, device=DEV),
+                *_blocks(row_slots, slots, block_m, pad), block_m, add)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, row_slots: list[int], out: torch.Tensor,
@@ -51,7 +69,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("path", ["torch", "triton", "triton64"])
 @pytest.mark.parametrize("add", [False, True], ids=["write", "add"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_sgmv_against_dense(path: str, add: bool, case: int) -> None:
@@ -65,8 +83,9 @@ def test_sgmv_against_dense(path: str, add: bool, case: int) -> None:
     rows, indptr = _grouping(row_slots, slots)
     if path == "torch":
         sgmv_torch(x, w, out, rows.to(DEV), indptr, add)
-    else:
-        sgmv_triton(x, w, out, rows.to(DEV), torch.tensor(indptr, device=DEV), t, add)
+    else:  # blocks of 16 rows with 3 padding blocks (a CUDA graph's table), or of 64
+        _triton(x, w, out, row_slots, slots, add, 64 if path == "triton64" else 16,
+                0 if path == "triton64" else 3)
     torch.testing.assert_close(out.cpu().double(), want, rtol=2e-3, atol=2e-3)
     untouched = [r for r, s in enumerate(row_slots) if s < 0]
     if untouched and not add:
@@ -83,8 +102,7 @@ def test_sgmv_strided_views() -> None:
     x, w, out = x_all[:, 8:16], w_all[:, 20:45], out_all[:, 20:45]
     want = _reference(x.cpu(), w.cpu(), row_slots, out.cpu(), True)
     before = out_all.clone()
-    rows, indptr = _grouping(row_slots, 2)
-    sgmv_triton(x, w, out, rows.to(DEV), torch.tensor(indptr, device=DEV), 4, True)
+    _triton(x, w, out, row_slots, 2, True)
     torch.testing.assert_close(out.cpu().double(), want, rtol=2e-3, atol=2e-3)
     assert torch.equal(out_all[:, :20], before[:, :20])
     assert torch.equal(out_all[:, 45:], before[:, 45:])
@@ -96,7 +114,7 @@ def test_lora_layer_against_merged_weights(path: str, layer: str) -> None:
     """One layer's LoRA (srt/lora/layers.py) over 3 slots of adapters of ranks 2, 4 and 8 (the
     rank-2 one without k): each row's output is the base output plus its adapter's
     scaling-weighted B A x, slice by slice; rows of no adapter keep the base output. A grid
-    bound (max_rows) past the rows, as a CUDA graph's, changes nothing."""
+    table padded past the step's blocks, as a CUDA graph's, changes nothing."""
     from srt.layers.linear import QKVParallelLinear, RowParallelLinear
     from srt.lora.layers import LoraBatchInfo, LoraLinear, Slice
 
@@ -138,8 +156,17 @@ def test_lora_layer_against_merged_weights(path: str, layer: str) -> None:
                 parts.append(torch.zeros(s.out_size, dtype=torch.float64))
         want[row] += torch.cat(parts)
     rows, indptr = _grouping(row_slots, 3)
-    dev_rows = rows.to(DEV)
-    info = LoraBatchInfo(dev_rows, torch.tensor(indptr, device=DEV), 16,
+    info = LoraBatchInfo(rows.to(DEV), torch.tensor(indptr, device=DEV),
+                         *_blocks(row_slots, 3, 16, pad=2), 16,
                          indptr if path == "torch" else None)
     out = lora.apply(x, base_out.clone(), info)
     torch.testing.assert_close(out.cpu().double(), want, rtol=1e-3, atol=1e-3)
+
+
+def test_row_blocks() -> None:
+    counts = np.array([3, 0, 37, 1])
+    indptr = np.concatenate([[0], np.cumsum(counts)])
+    slot, start = row_blocks(counts, indptr, 16)
+    assert slot.tolist() == [0, 2, 2, 2, 3] and start.tolist() == [0, 3, 19, 35, 40]
+    slot, start = row_blocks(np.zeros(4, dtype=np.int64), np.zeros(5, dtype=np.int64), 16)
+    assert len(slot) == 0 and len(start) == 0
