@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.lora.sgmv import sgmv_torch, sgmv_triton
+from srt.lora.sgmv import sgmv_torch, sgmv_triton, shrink_splits
 
 
 @dataclass
@@ -101,8 +101,9 @@ class LoraLinear:
         x2 = x.reshape(-1, x.shape[-1])
         out2 = out.view(-1, out.shape[-1])
         rank = self.max_rank
-        shrunk = torch.empty(x2.shape[0], self.a.shape[1], dtype=x2.dtype, device=x2.device)
         if info.indptr_host is not None:
+            shrunk = torch.empty(x2.shape[0], self.a.shape[1], dtype=x2.dtype,
+                                 device=x2.device)
             sgmv_torch(x2, self.a, shrunk, info.rows, info.indptr_host, add=False)
             for j, s in enumerate(self.slices):
                 sgmv_torch(shrunk[:, j * rank:(j + 1) * rank],
@@ -111,9 +112,12 @@ class LoraLinear:
                            info.rows, info.indptr_host, add=True)
             return out
         blocks = (info.rows, info.indptr, info.block_slot, info.block_start, info.block_m)
+        # float32 partial sums over K splits [splits, rows, slices x rank]
+        shrunk = torch.empty(shrink_splits(info.block_m, x2.shape[1]), x2.shape[0],
+                             self.a.shape[1], dtype=torch.float32, device=x2.device)
         sgmv_triton(x2, self.a, shrunk, *blocks, add=False)
         for j, s in enumerate(self.slices):
-            sgmv_triton(shrunk[:, j * rank:(j + 1) * rank],
+            sgmv_triton(shrunk[:, :, j * rank:(j + 1) * rank],
                         self.b[:, s.out_offset:s.out_offset + s.out_size],
                         out2[:, s.out_offset:s.out_offset + s.out_size], *blocks, add=True)
         return out

@@ -49,10 +49,10 @@ if triton is not None:
 
     @triton.jit
     def _sgmv_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, indptr_ptr, block_slot_ptr,
-                     block_start_ptr, N, K, stride_xm, stride_xk, stride_ws, stride_wn,
-                     stride_wk, stride_om, stride_on,
-                     ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     block_start_ptr, N, K, K_PER_SPLIT, stride_xs, stride_xm, stride_xk,
+                     stride_ws, stride_wn, stride_wk, stride_os, stride_om, stride_on,
+                     ADD: tl.constexpr, X_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         b = tl.program_id(0)
         slot = tl.load(block_slot_ptr + b)
         if slot < 0:
@@ -64,17 +64,23 @@ if triton is not None:
         row = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
+        split = tl.program_id(2)  # this program's range of K (a split-K shrink)
+        k_lo = split * K_PER_SPLIT
+        k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
         w_base = w_ptr + slot.to(tl.int64) * stride_ws
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            a = tl.load(x_ptr + row[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            mask_k = offs_k < k_hi
+            a_ptrs = x_ptr + row[:, None] * stride_xm + offs_k[None, :] * stride_xk
+            a_mask = mask_m[:, None] & mask_k[None, :]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+            for s in tl.static_range(1, X_SPLITS):  # x is a split-K shrink's partial sums: add them
+                a += tl.load(a_ptrs + s * stride_xs, mask=a_mask, other=0.0).to(tl.float32)
             w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                         mask=mask_n[None, :] & mask_k[:, None], other=0.0)
             acc += tl.dot(a.to(w.dtype), w)
-        ptrs = out_ptr + row[:, None] * stride_om + offs_n[None, :] * stride_on
+        ptrs = out_ptr + split * stride_os + row[:, None] * stride_om + offs_n[None, :] * stride_on
         mask = mask_m[:, None] & mask_n[None, :]
         if ADD:
             acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -101,21 +107,34 @@ def row_blocks(counts: np.ndarray, indptr: np.ndarray, block_m: int
     return slot, indptr[slot] + local * block_m
 
 
+def shrink_splits(block_m: int, k: int) -> int:
+    """K splits of a shrink: decode-sized steps have few row blocks, so their long K is cut
+    into parallel programs (partial sums the expand adds); fills have rows enough."""
+    return 8 if block_m == 16 and k >= 2048 else 1
+
+
 def sgmv_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
                 indptr: torch.Tensor, block_slot: torch.Tensor, block_start: torch.Tensor,
                 block_m: int, add: bool) -> None:
     """One launch over the block table (device tensors; `block_m` the table's rows per
-    block). Each row appears at most once in `rows`."""
+    block). Each row appears at most once in `rows`. A 3-D `out` [S, T, N] takes S partial
+    sums over K (a split-K shrink, add False); a 3-D `x` [S, T, K] is such partial sums, added
+    as they are read."""
     n, k = w.shape[1], w.shape[2]
     if block_slot.shape[0] == 0:
         return
+    splits = out.shape[0] if out.dim() == 3 else 1
+    x_splits = x.shape[0] if x.dim() == 3 else 1
+    x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    o3 = out if out.dim() == 3 else out.unsqueeze(0)
     # the shrink has a small N and a long K; the expand the reverse
     block_n = max(16, min(64, triton.next_power_of_2(n)))
     block_k = max(16, min(128, triton.next_power_of_2(k)))
-    grid = (block_slot.shape[0], triton.cdiv(n, block_n))
+    per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    grid = (block_slot.shape[0], triton.cdiv(n, block_n), splits)
     _sgmv_kernel[grid](
-        x, w, out, rows, indptr, block_slot, block_start, n, k,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        out.stride(0), out.stride(1),
-        ADD=add, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x3, w, o3, rows, indptr, block_slot, block_start, n, k, per_split,
+        x3.stride(0), x3.stride(1), x3.stride(2), w.stride(0), w.stride(1), w.stride(2),
+        o3.stride(0), o3.stride(1), o3.stride(2),
+        ADD=add, X_SPLITS=x_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )

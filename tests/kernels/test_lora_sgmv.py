@@ -170,3 +170,25 @@ def test_row_blocks() -> None:
     assert slot.tolist() == [0, 2, 2, 2, 3] and start.tolist() == [0, 3, 19, 35, 40]
     slot, start = row_blocks(np.zeros(4, dtype=np.int64), np.zeros(5, dtype=np.int64), 16)
     assert len(slot) == 0 and len(start) == 0
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_split_k_shrink_then_expand(splits: int) -> None:
+    """A shrink into float32 partial sums over K splits (some empty when K is short), then an
+    expand that adds them as it reads them: the dense B (A x) of each row's slot."""
+    g = torch.Generator().manual_seed(splits)
+    row_slots = [0, 2, -1, 2, 1, 0, 0, 2, 1]
+    t, k, r, n = len(row_slots), 200, 8, 40
+    x = torch.randn(t, k, generator=g).to(DEV)
+    a = torch.randn(3, r, k, generator=g).to(DEV)
+    b = torch.randn(3, n, r, generator=g).to(DEV)
+    part = torch.full((splits, t, r), POISON, device=DEV)
+    _triton(x, a, part, row_slots, 3, False)
+    valid = [i for i, s in enumerate(row_slots) if s >= 0]
+    want_a = _reference(x.cpu(), a.cpu(), row_slots, torch.zeros(t, r), False)
+    torch.testing.assert_close(part.sum(0).cpu().double()[valid], want_a[valid], rtol=2e-3,
+                               atol=2e-3)
+    out = torch.randn(t, n, generator=g).to(DEV)
+    want = _reference(want_a.float(), b.cpu(), row_slots, out.cpu(), True)
+    _triton(part, b, out, row_slots, 3, True)
+    torch.testing.assert_close(out.cpu().double(), want, rtol=2e-3, atol=2e-3)
