@@ -91,7 +91,7 @@ class ServerMetrics:
         now = time.monotonic()
         self._timings[rid] = _Timing(now, now, stream)
 
-    def on_output(self, rid: str, out: StrOut) -> None:
+    def on_output(self, rid: str, out: StrOut, text: str) -> None:
         t = self._timings.get(rid)
         if t is None:
             return

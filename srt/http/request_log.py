@@ -41,9 +41,9 @@ class RequestLog:
     def on_submit(self, rid: str, stream: bool) -> None:
         pass
 
-    def on_output(self, rid: str, out: StrOut) -> None:
+    def on_output(self, rid: str, out: StrOut, text: str) -> None:
         if self.enabled and out.finish_reason is not None:
-            logger.info("output %s %s finish=%s", rid, _clip(out.text), _clip(out.finish_reason))
+            logger.info("output %s %s finish=%s", rid, _clip(text), _clip(out.finish_reason))
 
     def on_done(self, rid: str) -> None:
         pass
@@ -59,9 +59,9 @@ class Observers:
         for o in self.observers:
             o.on_submit(rid, stream)
 
-    def on_output(self, rid: str, out: StrOut) -> None:
+    def on_output(self, rid: str, out: StrOut, text: str) -> None:
         for o in self.observers:
-            o.on_output(rid, out)
+            o.on_output(rid, out, text)
 
     def on_done(self, rid: str) -> None:
         for o in self.observers:

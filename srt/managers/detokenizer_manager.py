@@ -48,14 +48,18 @@ class DetokenizerManager:
                 stop_regexes=tuple(o.stop_regex),
             )
             self.states[o.rid] = det
-        text = det.add(o.new_ids)
+        shown = det.state.shown  # what the request's StrOuts gave so far
+        text = det.add(o.new_ids)  # (extends what was shown)
+        start = len(shown)
         if o.finish_reason is not None:
             matched = o.finish_reason.get("matched")
             text = det.finish(matched if isinstance(matched, str) else None)
+            start = _common_prefix_len(shown, text)
             del self.states[o.rid]
         return StrOut(
             rid=o.rid,
-            text=text,
+            text=text[start:],
+            text_start=start,
             new_ids=o.new_ids,
             prompt_tokens=o.prompt_tokens,
             cached_tokens=o.cached_tokens,
@@ -89,6 +93,15 @@ class DetokenizerManager:
                 self.outbox.send(self.handle(msg))
             else:  # control results go back unchanged
                 self.outbox.send(msg)
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    if b.startswith(a):
+        return len(a)
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def run_detokenizer_process(args: ServerArgs, ports: PortArgs, link: ChildLink) -> None:

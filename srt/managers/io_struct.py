@@ -266,8 +266,12 @@ class StepOutput:
 @message
 @dataclass
 class StrOut:
+    """What a request's text became: the text from `text_start` on is `text` (everything
+    before it is what its earlier StrOuts gave), so each carries only what is new (O(1) per
+    token on the wire, not the whole text)."""
+
     rid: str
-    text: str  # cumulative output text that is safe to show
+    text: str  # the request's output text from text_start on (safe to show)
     new_ids: list[int]
     prompt_tokens: int
     cached_tokens: int
@@ -279,6 +283,9 @@ class StrOut:
     input_logprobs: TokenLogprobs | None = None
     output_logprobs: TokenLogprobs | None = None
     embedding: list[float] | None = None  # --is-embedding
+    # Where `text` starts: the length of the text sent before, except where the final
+    # decode differs from what was shown (then the common prefix's length).
+    text_start: int = 0
 
 
 @message

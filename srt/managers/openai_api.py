@@ -84,6 +84,19 @@ def _response_format(value: Any) -> dict[str, Any]:
                        "json_schema)", "response_format", "unsupported")
 
 
+def _new_text(sent: list[str], sent_len: int, text: str, start: int) -> str:
+    """The text to send after `sent` (the pieces sent so far) when the request's text from
+    `start` on became `text`: the detokenizer only extends what it showed, except that a final
+    decode may differ inside it; then only an extension of what was sent is sent."""
+    if start == sent_len:
+        return text
+    if start > sent_len:  # (not produced: the text before `start` was all sent)
+        return ""
+    before = "".join(sent)
+    full = before[:start] + text
+    return full[sent_len:] if full.startswith(before) else ""
+
+
 def _finish_reason(reason: dict[str, Any] | None) -> str | None:
     if reason is None:
         return None
@@ -395,8 +408,8 @@ class OpenAIAdapter:
                           "choices": [choice]})
 
         n = len(parsed.reqs)
-        sent = [""] * n
-        sent_logprobs = [0] * n  # output logprob entries sent per choice
+        sent: list[list[str]] = [[] for _ in range(n)]  # the text sent per choice, in pieces
+        sent_len = [0] * n
         text_offset = [0] * n  # completions: where the next token's text starts
         started = [False] * n
         completion_tokens = [0] * n
@@ -413,7 +426,8 @@ class OpenAIAdapter:
             for i in range(n):
                 yield chunk(i, {"role": "assistant", "content": ""}, None)
         # aclosing: a client that leaves closes this generator; the requests are aborted now.
-        async with contextlib.aclosing(self.tm.stream_all(parsed, is_disconnected)) as items:
+        async with contextlib.aclosing(self.tm.stream_all(parsed, is_disconnected,
+                                                          deltas=True)) as items:
             async for index, item in items:
                 meta = item["meta_info"]
                 if meta["finish_reason"] is not None and meta["finish_reason"]["type"] == "abort":
@@ -429,20 +443,16 @@ class OpenAIAdapter:
                                          meta["input_top_logprobs"])
                     yield chunk(index, self._prompt_text(parsed, index), None, logprobs=lp)
                 started[index] = True
-                text = item["text"]
-                # Results are cumulative; send what is new. The detokenizer only ever extends the
-                # text it showed, so the new text is a suffix.
-                delta = text[len(sent[index]):] if text.startswith(sent[index]) else ""
-                sent[index] = text if text.startswith(sent[index]) else sent[index]
+                delta = _new_text(sent[index], sent_len[index], item["text"], item["text_start"])
+                if delta:
+                    sent[index].append(delta)
+                    sent_len[index] += len(delta)
                 completion_tokens[index] = meta["completion_tokens"]
                 finish = _finish_reason(meta["finish_reason"])
                 lp = None
-                if c["logprobs"]:
-                    new = meta["output_token_logprobs"][sent_logprobs[index]:]
-                    if new:
-                        tops = meta["output_top_logprobs"][sent_logprobs[index]:]
-                        sent_logprobs[index] += len(new)
-                        lp = logprobs_of(index, new, tops)
+                if c["logprobs"] and meta["output_token_logprobs"]:  # (the new entries)
+                    lp = logprobs_of(index, meta["output_token_logprobs"],
+                                     meta["output_top_logprobs"])
                 if not chat:
                     if delta or lp is not None:
                         yield chunk(index, delta, None, logprobs=lp)

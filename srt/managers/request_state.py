@@ -2,7 +2,9 @@
 
 The result loop puts each StrOut (or a Failed marker) on the sample's queue; `ReqState.add`
 folds one StrOut into the state and returns the answer so far. Every list in an answer is
-cumulative, streaming too, so any single answer is complete on its own.
+cumulative, streaming too, so any single answer is complete on its own (SGLang's /generate
+stream). `ReqState.add_delta` folds it in too but answers with what is new only (the OpenAI
+streams), so a stream costs O(1) per token there.
 """
 
 from __future__ import annotations
@@ -45,15 +47,21 @@ class LogprobState:
     output_token_logprobs: list[list[Any]] = field(default_factory=list)
     output_top_logprobs: list[Any] = field(default_factory=list)
 
-    def add(self, out: StrOut) -> None:
+    def add(self, out: StrOut) -> dict[str, Any]:
+        """Fold the StrOut's entries in; returns them alone (meta_info's four lists)."""
+        new: dict[str, Any] = {"input_token_logprobs": [], "input_top_logprobs": [],
+                               "output_token_logprobs": [], "output_top_logprobs": []}
         if out.input_logprobs is not None:
             tokens, tops = _triples(out.input_logprobs)
             self.input_token_logprobs += tokens
             self.input_top_logprobs += tops
+            new["input_token_logprobs"], new["input_top_logprobs"] = tokens, tops
         if out.output_logprobs is not None:
             tokens, tops = _triples(out.output_logprobs)
             self.output_token_logprobs += tokens
             self.output_top_logprobs += tops
+            new["output_token_logprobs"], new["output_top_logprobs"] = tokens, tops
+        return new
 
     def meta(self) -> dict[str, Any]:
         values = [t[0] for t in self.input_token_logprobs if t[0] is not None]
@@ -76,17 +84,35 @@ class ReqState:
     finished: bool = False
     logprobs: LogprobState | None = None  # None: no logprobs asked
     lora_id: int = 0  # its LoRA adapter (0: none): an adapter in use is not unloaded
+    text: str = ""  # the output text so far
+
+    def _fold(self, out: StrOut) -> dict[str, Any] | None:
+        """Fold one StrOut in; its new logprob entries (None: no logprobs asked)."""
+        if out.text_start == len(self.text):
+            self.text += out.text
+        else:  # the final decode differs from what was shown (rare)
+            self.text = self.text[: out.text_start] + out.text
+        self.output_ids.extend(out.new_ids)
+        self.finished = out.finish_reason is not None
+        return self.logprobs.add(out) if self.logprobs is not None else None
 
     def add(self, out: StrOut) -> dict[str, Any]:
         """Fold one StrOut in; returns the answer so far."""
-        self.output_ids.extend(out.new_ids)
-        if self.logprobs is not None:
-            self.logprobs.add(out)
-        self.finished = out.finish_reason is not None
+        self._fold(out)
         return self.result_dict(out)
 
-    def result_dict(self, out: StrOut) -> dict[str, Any]:
-        """The answer so far; every list in it is cumulative (streaming too)."""
+    def add_delta(self, out: StrOut) -> dict[str, Any]:
+        """Fold one StrOut in; returns what it adds: `text` from `text_start` on (the text
+        before it unchanged), the new ids, and meta_info with the counts and the new logprob
+        entries only."""
+        new = self._fold(out)
+        meta = self._meta(out)
+        if new is not None:
+            meta.update(new)
+        return {"text": out.text, "text_start": out.text_start, "output_ids": out.new_ids,
+                "meta_info": meta}
+
+    def _meta(self, out: StrOut) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": self.user_rid,
             "prompt_tokens": out.prompt_tokens,
@@ -97,11 +123,16 @@ class ReqState:
         }
         if out.spec is not None:
             meta.update(spec_meta(out.spec, out.completion_tokens))
+        return meta
+
+    def result_dict(self, out: StrOut) -> dict[str, Any]:
+        """The answer so far; every list in it is cumulative (streaming too)."""
+        meta = self._meta(out)
         if self.logprobs is not None:
             meta.update(self.logprobs.meta())
         if out.embedding is not None:  # --is-embedding (SGLang's /encode answer)
             return {"embedding": out.embedding, "meta_info": meta}
-        return {"text": out.text, "output_ids": list(self.output_ids), "meta_info": meta}
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
 def spec_meta(spec: SpecCounts, completion_tokens: int) -> dict[str, Any]:

@@ -76,7 +76,7 @@ class TokenizerManager:
         self._loop_task: asyncio.Task | None = None
         self.grammars: GrammarBackend | None = None  # built at the first constrained request
         # Sees each sample's submission, outputs and end (metrics, request log); set by the
-        # server: on_submit(rid, stream), on_output(rid, StrOut), on_done(rid).
+        # server: on_submit(rid, stream), on_output(rid, StrOut, text so far), on_done(rid).
         self.observer: Any = None
         self.images: ImageLoader | None = None
         if limits.image_token_id is not None:
@@ -327,17 +327,20 @@ class TokenizerManager:
             self.to_router.send(AbortReq(w, message))
         return len(wire)
 
-    async def stream_results(self, rid: str) -> AsyncIterator[dict[str, Any]]:
-        """Cumulative results of one sample, one per StrOut, until it finishes."""
+    async def stream_results(self, rid: str, deltas: bool = False
+                             ) -> AsyncIterator[dict[str, Any]]:
+        """Cumulative results of one sample, one per StrOut, until it finishes (`deltas`: what
+        each StrOut adds, ReqState.add_delta)."""
         state = self.states[rid]
         try:
             while True:
                 out: StrOut | Failed = await state.queue.get()
                 if isinstance(out, Failed):
                     raise ServerFailure(out.reason)
+                item = state.add_delta(out) if deltas else state.add(out)
                 if self.observer is not None:
-                    self.observer.on_output(rid, out)
-                yield state.add(out)
+                    self.observer.on_output(rid, out, state.text)
+                yield item
                 if state.finished:
                     return
         finally:
@@ -366,14 +369,14 @@ class TokenizerManager:
                 self.abort(r.wire_rid)  # a no-op for finished requests
 
     async def stream_all(self, parsed: ParsedRequest,
-                         is_disconnected: Callable[[], Awaitable[bool]]
+                         is_disconnected: Callable[[], Awaitable[bool]], deltas: bool = False
                          ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        """(answer index, cumulative result) as results arrive, until every sample finished or
-        the client left (then everything is aborted)."""
+        """(answer index, cumulative result, or with `deltas` what is new) as results arrive,
+        until every sample finished or the client left (then everything is aborted)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(rid: str, index: int) -> None:
-            async for item in self.stream_results(rid):
+            async for item in self.stream_results(rid, deltas):
                 await queue.put((index, item))
 
         tasks = [asyncio.ensure_future(pump(r.wire_rid, r.index)) for r in parsed.reqs]
