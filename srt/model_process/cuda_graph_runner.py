@@ -83,6 +83,22 @@ class CudaGraphRunner:
         self.hidden: dict[int, torch.Tensor] = {}  # a model's spec_hidden of each graph
         self.mempool: Any = None
 
+    def load_lora(self, info: Any) -> None:
+        """A step's LoRA grouping (srt.lora.layers.LoraBatchInfo; None: no adapter) into the
+        graphs' static buffers; the blocks past the step's are padding (slot -1)."""
+        lo = self.lora
+        lo.block_slot.fill_(-1)
+        if info is None:
+            return
+        if info.block_m != lo.block_m:
+            raise ValueError(f"a LoRA table of {info.block_m}-row blocks for graphs of "
+                             f"{lo.block_m}")
+        nb = info.block_slot.shape[0]
+        lo.rows[: info.rows.shape[0]].copy_(info.rows)
+        lo.indptr.copy_(info.indptr)
+        lo.block_slot[:nb].copy_(info.block_slot)
+        lo.block_start[:nb].copy_(info.block_start)
+
     def _lora_blocks(self, bs: int) -> int:
         """The LoRA block table's length in the graph of `bs` rows."""
         from srt.lora.sgmv import max_row_blocks
@@ -157,15 +173,7 @@ class CudaGraphRunner:
             self.req_pool_indices[bs:pbs].zero_()
             self.seq_lens[bs:pbs].fill_(1)
         if self.lora is not None:
-            lo = self.lora
-            lo.block_slot.fill_(-1)  # blocks past the step's: padding
-            if fb.lora is not None:
-                assert fb.lora.block_m == lo.block_m
-                nb = fb.lora.block_slot.shape[0]
-                lo.rows[: fb.lora.rows.shape[0]].copy_(fb.lora.rows)
-                lo.indptr.copy_(fb.lora.indptr)
-                lo.block_slot[:nb].copy_(fb.lora.block_slot)
-                lo.block_start[:nb].copy_(fb.lora.block_start)
+            self.load_lora(fb.lora)
         static = self._static_batch(pbs, list(fb.seq_lens_cpu) + [1] * (pbs - bs))
         self.backend.init_cuda_graph_replay(static)
         self.graphs[pbs].replay()

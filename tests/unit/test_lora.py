@@ -209,3 +209,44 @@ def test_radix_reset_covers_every_namespace() -> None:
     cache.insert([1, 2], torch.tensor([3, 4]), namespace=2)
     cache.reset()
     assert sorted(pool.freed) == [1, 2, 3, 4] and cache.total_size() == 0
+
+
+def test_cuda_graph_buffers_take_a_steps_grouping(tmp_path: Any) -> None:
+    """The graph runner's static LoRA buffers (built on the CPU here; capture needs a GPU):
+    a step's grouping from the LoraManager (Triton path) lands in them, the blocks past it are
+    padding, a step of no adapter leaves every block padding, and each graph's views are as
+    long as its batch needs."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from transformers import LlamaConfig
+
+    from srt.lora.manager import LoraManager
+    from srt.model_process.cuda_graph_runner import CudaGraphRunner
+    from srt.models.llama import LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    manager = LoraManager(LlamaForCausalLM(cfg, 64), cfg, 3, 4, ("q_proj", "down_proj"),
+                          torch.device("cpu"), torch.float32)
+    manager.triton = True  # the GPU's grouping (block table), computed on the CPU
+    for i in (1, 2):
+        shapes = {"q_proj": (32, 32), "down_proj": (64, 32)}
+        adapter = LoraAdapter("a", "/a", 4, 1.0, ("q_proj", "down_proj"), {
+            (layer, m): (torch.randn(4, fi), torch.randn(fo, 4))
+            for layer in range(2) for m, (fi, fo) in shapes.items()})
+        manager.adapters[i] = adapter
+    runner = SimpleNamespace(attn_backend=None, device=torch.device("cpu"), lora=manager,
+                             token_to_kv_pool=SimpleNamespace(size=100), req_to_token_pool=None)
+    graphs = CudaGraphRunner(runner, 40, lambda fb: None)
+    info = manager.batch_info(np.array([1, 0, 2, 1, 1] + [2] * 20))
+    graphs.load_lora(info)
+    nb = info.block_slot.shape[0]
+    assert torch.equal(graphs.lora.block_slot[:nb], info.block_slot)
+    assert (graphs.lora.block_slot[nb:] == -1).all()
+    assert torch.equal(graphs.lora.rows[:24], info.rows)  # (row 1 uses no adapter)
+    assert graphs.lora.indptr.tolist() == info.indptr.tolist() == [0, 3, 24, 24]
+    static = graphs._static_batch(32, [1] * 32)
+    assert static.lora.block_slot.shape[0] == 2 + 3 and static.lora.rows.shape[0] == 32
+    graphs.load_lora(None)
+    assert (graphs.lora.block_slot == -1).all()
