@@ -237,7 +237,8 @@ def test_cuda_graph_buffers_take_a_steps_grouping(tmp_path: Any) -> None:
             for layer in range(2) for m, (fi, fo) in shapes.items()})
         manager.adapters[i] = adapter
     runner = SimpleNamespace(attn_backend=None, device=torch.device("cpu"), lora=manager,
-                             token_to_kv_pool=SimpleNamespace(size=100), req_to_token_pool=None)
+                             token_to_kv_pool=SimpleNamespace(size=100),
+                             req_to_token_pool=None)
     graphs = CudaGraphRunner(runner, 40, lambda fb: None)
     info = manager.batch_info(np.array([1, 0, 2, 1, 1] + [2] * 20))
     graphs.load_lora(info)
