@@ -52,6 +52,15 @@ class PullSocket:
             return None
         return io_struct.decode(self._sock.recv())
 
+    def pending(self) -> bool:
+        """Whether a message is queued (no wait)."""
+        return bool(self._sock.poll(0))
+
+    @property
+    def zmq_socket(self) -> zmq.Socket:
+        """The socket, for a zmq.Poller over several."""
+        return self._sock
+
     def drain(self) -> list[Any]:
         """Everything queued right now, without blocking."""
         out = []

@@ -57,7 +57,7 @@ from srt.model_process.warmup import warm_up
 from srt.server_args import ServerArgs
 
 # Decode steps per round while nothing waits: amortizes the router round trip; a waiting request
-# is reconsidered after every step.
+# is reconsidered after every step, and with one rank a new input ends the round (`step`).
 DECODE_STEPS_PER_ROUND = 4
 
 
@@ -85,9 +85,8 @@ class ModelProcess:
         self.ratio = TokenRatio.from_conservativeness(args.schedule_conservativeness)
         self.rng = random.Random(args.random_seed)
         self.arrivals = 0
-        eos_ids = set(self.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos_ids.add(int(self.tokenizer.eos_token_id))
+        eos = self.tokenizer.eos_token_id
+        eos_ids = set(self.config.eos_token_ids) | (set() if eos is None else {int(eos)})
         self.output = OutputProcessor(self.tokenizer, eos_ids, args.stream_interval)
         self.counters = Counters()
         self.constraints = ConstraintManager(args, self.tokenizer, self.runner.device, self.kv,
@@ -117,10 +116,11 @@ class ModelProcess:
 
     # ------------------------------------------------------------------ one round
 
-    def step(self, inp: StepInput,
-             emit: Callable[[BatchTokenIdOut], None] | None = None) -> StepOutput:
+    def step(self, inp: StepInput, emit: Callable[[BatchTokenIdOut], None] | None = None,
+             input_pending: Callable[[], bool] | None = None) -> StepOutput:
         """One round. `emit` (rank 0 of a server): called with the outputs of each decode step
-        but the last of the round, which go into the returned StepOutput with the rest."""
+        but the last of the round, which go into the returned StepOutput with the rest.
+        `input_pending` (one rank only): the next input is waiting (the round ends for it)."""
         began, t0 = time.time(), time.perf_counter()
         outs: list[TokenOut] = []
         self._emit = emit
@@ -149,6 +149,8 @@ class ModelProcess:
             self._decode_turn = not self._fill(fill, outs) and bool(self.batch)
         elif self.batch:
             for i in range(1 if self.waiting else DECODE_STEPS_PER_ROUND):
+                if i and input_pending is not None and input_pending():
+                    break  # new requests, aborts or controls wait for no more steps
                 if i:
                     self._flush(outs)
                 if not self.batch or self._decode_step(outs):

@@ -72,6 +72,9 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> 
     fault = fault_point(args.fault, f"model{tp_rank}")
     heartbeat = link.heartbeat
 
+    # one rank: a round ends early for the next input (srt/managers/router/manager.py)
+    pending = inbox.pending if args.tp_size == 1 else None
+
     def emit(token_out: Any) -> None:  # a decode step's outputs, before the round ends
         if outbox is not None:
             outbox.send(StepOutput(token_out, partial=True))
@@ -87,7 +90,7 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> 
             work = bool(inp.reqs or server.running or server.waiting)
             if work:
                 fault.tick()
-            out = server.step(inp, emit)
+            out = server.step(inp, emit, pending)
             if work:
                 server.heap.busy()
             elif not (server.running or server.waiting):

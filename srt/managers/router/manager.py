@@ -1,5 +1,10 @@
 """The router process: batches what arrived from the HTTP process and drives every TP rank one round
 at a time, in lockstep. Rank 0's results go on to the detokenizer.
+
+With one rank, what arrives during a round is sent on at once as the next round's input: the
+model process ends a round of several decode steps early when its next input is waiting, so a
+new request is admitted after the decode step in flight, not after the round. (Several ranks
+would have to agree on the step at which they notice it, so they keep whole rounds.)
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ class RouterManager:
                                for r in range(args.ranks_per_node, args.tp_size)]
         self.from_model = PullSocket(self.ctx, ports.model_to_router)
         self.to_detokenizer = PushSocket(self.ctx, ports.router_to_detokenizer)
+        self.send_mid_round = args.tp_size == 1
+        self._poller = zmq.Poller()
+        self._poller.register(self.from_model.zmq_socket, zmq.POLLIN)
+        self._poller.register(self.from_tokenizer.zmq_socket, zmq.POLLIN)
 
     def _wait(self, inbox: PullSocket) -> Any:
         """The next message of `inbox`, beating while none comes (waiting is not stalling)."""
@@ -49,26 +58,48 @@ class RouterManager:
             if msg is not None:
                 return msg
 
+    def _model_output(self, or_new_input: bool) -> Any:
+        """The model's next output; with `or_new_input`, None as soon as the HTTP process sent
+        something first."""
+        if not or_new_input:
+            return self._wait(self.from_model)
+        while True:
+            ready = dict(self._poller.poll(IDLE_POLL_MS))
+            self.heartbeat.beat()
+            if self.from_model.zmq_socket in ready:
+                return self.from_model.recv()
+            if self.from_tokenizer.zmq_socket in ready:
+                return None
+
+    def _send(self, msgs: list[Any], has_work: bool) -> None:
+        step = StepInput()
+        for m in msgs:
+            if isinstance(m, TokenizedGenerateReq):
+                step.reqs.append(m)
+            elif isinstance(m, AbortReq):
+                step.aborts.append(m)
+            else:
+                step.controls.append(m)
+        if step.reqs or has_work:
+            self.fault.tick()
+        for sock in self.to_models:
+            sock.send(step)
+
     def loop(self) -> None:
         has_work = False
+        sent_next = False  # the next round's input went out during the round before
         while True:
-            # Idle: block until something arrives. Busy: take what is queued and step on.
-            msgs = [] if has_work else [self._wait(self.from_tokenizer)]
-            msgs += self.from_tokenizer.drain()
-            step = StepInput()
-            for m in msgs:
-                if isinstance(m, TokenizedGenerateReq):
-                    step.reqs.append(m)
-                elif isinstance(m, AbortReq):
-                    step.aborts.append(m)
-                else:
-                    step.controls.append(m)
-            if step.reqs or has_work:
-                self.fault.tick()
-            for sock in self.to_models:
-                sock.send(step)
+            if not sent_next:
+                # Idle: block until something arrives. Busy: take what is queued and step on.
+                msgs = [] if has_work else [self._wait(self.from_tokenizer)]
+                self._send(msgs + self.from_tokenizer.drain(), has_work)
+            sent_next = False
             while True:  # a round's partial outputs (streaming), then its last StepOutput
-                out = self._wait(self.from_model)
+                out = self._model_output(self.send_mid_round and not sent_next)
+                if out is None:  # arrived mid-round: the model ends the round for it
+                    self._send(self.from_tokenizer.drain(), True)
+                    sent_next = True
+                    continue
                 if out.token_out is not None:
                     self.to_detokenizer.send(out.token_out)
                 if not out.partial:
