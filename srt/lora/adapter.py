@@ -97,10 +97,13 @@ class LoraAdapter:
         if max_rank is not None and rank > max_rank:
             raise LoraError(f"adapter {name!r} has rank {rank}, over the server's "
                             f"--max-lora-rank {max_rank}")
-        for option, bad in (("use_dora", True), ("modules_to_save", None), ("bias", "none")):
-            value = config.get(option, bad if option == "bias" else None)
-            if (option == "bias" and value != "none") or (option != "bias" and value):
-                raise LoraError(f"adapter {name!r}: {option}={value!r} is not supported")
+        unsupported = {"use_dora": bool(config.get("use_dora")),
+                       "modules_to_save": bool(config.get("modules_to_save")),
+                       "bias": config.get("bias", "none") != "none"}
+        for option, bad in unsupported.items():
+            if bad:
+                raise LoraError(f"adapter {name!r}: {option}={config[option]!r} is not "
+                                "supported")
         if config.get("layers_to_transform") is not None or config.get("rank_pattern") or \
                 config.get("alpha_pattern"):
             raise LoraError(f"adapter {name!r}: per-layer ranks, alphas or layer lists "
