@@ -47,6 +47,9 @@ def main() -> None:
                    "sampled at temperature 0.6, instead of --input-len random tokens, greedy")
     p.add_argument("--profile-fill", action="store_true",
                    help="also print the GPU kernels of the fill rounds (torch.profiler)")
+    p.add_argument("--warm-fills", type=int, default=0, metavar="N",
+                   help="before the profiled fill, N one-token requests of other random "
+                   "tokens run to the end (so the profiled fill is a warm one)")
     a = p.parse_args()
     model_dir = write_shape_dir(a.shape, tempfile.mkdtemp(prefix="srt-prof-"),
                                 **awq_config(a.awq_group_size))
@@ -87,6 +90,15 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
                                  {"temperature": 0.6 if a.w1 else 0.0,
                                   "max_new_tokens": 3 * a.steps + 100, "ignore_eos": True})
             for i, x in enumerate(prompts)]
+    for i in range(a.warm_fills):
+        warm = [rng.randrange(2, shape.vocab) for _ in range(a.input_len)]
+        server.step(StepInput(reqs=[TokenizedGenerateReq(f"w{i}", warm, {
+            "temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True})]))
+        while server.waiting or server.running:
+            server.step(StepInput())
+    from srt.model_process.step_timing import FillSums
+
+    server.counters.timer.fills = FillSums()  # the profiled fill's rounds only
     prof_fill = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA])
                  if a.profile_fill else contextlib.nullcontext())

@@ -12,7 +12,8 @@
 #                   grammar backend with SmolLM2's tokenizer from .whlgr/tok),
 #                   tests (the gpu-marked tests in TESTS), offline-lora (W1 with LoRA
 #                   adapters over the requests: LORA_ARGS, default "--lora 8 --lora-rank 16");
-#                   e.g. SRT="offline:llama3-8b tests"
+#                   profile (benchmarks/profile_decode.py: PROF_ARGS, the log's last PROF_TAIL
+#                   lines shown); e.g. SRT="offline:llama3-8b tests"
 #   BUDGET=S        skip the stages that would start after S seconds of this call
 #   SRT_ARGS="..."  extra flags of every srt stage: the benchmark's own or any srt.ServerArgs
 #                   flag, e.g. "--chunked-prefill-size 8192 --enable-mixed-chunk"
@@ -92,6 +93,8 @@ for stage in ${SRT:-}; do
                    --out "$OUT/srt_constrained_${shape}_$TAG.json" ;;
     quantgemm) run "srt_quant_gemm_$TAG" ${QG_TIMEOUT:-400} python3 benchmarks/bench_quant_gemm.py ${QG_ARGS:-} \
                  --out "$OUT/srt_quant_gemm_$TAG.json" ;;
+    profile) TAIL=${PROF_TAIL:-80} run "srt_profile_${shape}_$TAG" 300 python3 benchmarks/profile_decode.py \
+               --shape "$shape" ${PROF_ARGS:-} ;;
     tests) TAIL=25 run "gpu_tests_$TAG" ${TEST_TIMEOUT:-240} python3 -m pytest -q -rA -p no:cacheprovider \
              ${TESTS:-tests/gpu/test_overlap_gpu.py} ;;
     *) echo "unknown stage $stage" ;;
