@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from benchmarks.common import Shape, awq_config, write_shape_dir
+from benchmarks.common import Shape, awq_config, write_lora_adapters, write_shape_dir
 
 
 def main() -> None:
@@ -47,6 +47,10 @@ def main() -> None:
                    "sampled at temperature 0.6, instead of --input-len random tokens, greedy")
     p.add_argument("--profile-fill", action="store_true",
                    help="also print the GPU kernels of the fill rounds (torch.profiler)")
+    p.add_argument("--lora", type=int, default=0, metavar="N",
+                   help="N random LoRA adapters (write_lora_adapters), request k under adapter "
+                   "k mod N")
+    p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--warm-fills", type=int, default=0, metavar="N",
                    help="before the profiled fill, N one-token requests of other random "
                    "tokens run to the end (so the profiled fill is a warm one)")
@@ -72,11 +76,18 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
     from srt.server_args import ServerArgs
 
     shape = Shape.of(a.shape)
-    args = ServerArgs(model_path=model_dir, tokenizer_path=model_dir, load_format="dummy",
+    lora = {}
+    if a.lora:
+        paths = write_lora_adapters(a.shape, a.lora, a.lora_rank, tempfile.mkdtemp())
+        lora = {"lora_paths": tuple(f"adapter{k}={p}" for k, p in enumerate(paths)),
+                "max_loras_per_batch": a.lora}
+    args = ServerArgs(**lora, model_path=model_dir, tokenizer_path=model_dir, load_format="dummy",
                       dtype="bfloat16", attention_backend=a.attention_backend,
                       disable_cuda_graph=a.disable_cuda_graph,
                       cuda_graph_max_bs=max(a.batch, 1), random_seed=0, tp_size=a.tp_size,
                       quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+    if a.lora:
+        args = args.resolve()  # the pool's rank and targets from the adapters
     server = ModelProcess(args, rank, port)
     rng = random.Random(0)
     if a.w1:
@@ -88,12 +99,14 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
                    for _ in range(a.batch)]
     reqs = [TokenizedGenerateReq(f"p{i}", x,
                                  {"temperature": 0.6 if a.w1 else 0.0,
-                                  "max_new_tokens": 3 * a.steps + 100, "ignore_eos": True})
+                                  "max_new_tokens": 3 * a.steps + 100, "ignore_eos": True},
+                                 lora_id=1 + i % a.lora if a.lora else 0)
             for i, x in enumerate(prompts)]
     for i in range(a.warm_fills):
         warm = [rng.randrange(2, shape.vocab) for _ in range(a.input_len)]
         server.step(StepInput(reqs=[TokenizedGenerateReq(f"w{i}", warm, {
-            "temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True})]))
+            "temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True},
+            lora_id=1 + i % a.lora if a.lora else 0)]))
         while server.waiting or server.running:
             server.step(StepInput())
     from srt.model_process.step_timing import FillSums
