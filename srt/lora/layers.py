@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.lora.sgmv import sgmv_torch, sgmv_triton, shrink_splits
+from srt.lora.sgmv import expand_triton, sgmv_torch, sgmv_triton, shrink_splits
 
 
 @dataclass
@@ -48,6 +48,15 @@ class Slice:
     out_size: int
 
 
+@dataclass
+class SlotImage:
+    """One adapter's tensors for one LoraLinear, laid out as a pool slot holds them (the rank's
+    shard, the model's dtype; pinned host memory on a GPU): written into a slot by two copies."""
+
+    a: torch.Tensor  # [slices * max_rank, in_local]
+    b: torch.Tensor  # [col_hi - col_lo, max_rank]
+
+
 class LoraLinear:
     """Attached to a base linear layer as `layer.lora`; `apply` runs inside its forward."""
 
@@ -59,41 +68,50 @@ class LoraLinear:
         self.row_parallel = row_parallel
         self.in_full = in_full
         self.max_rank = max_rank
-        in_local = base.in_per_rank if row_parallel else in_full
-        out_local = sum(s.out_size for s in slices)
-        self.a = torch.zeros(num_slots, len(slices) * max_rank, in_local, dtype=dtype,
+        self.in_local = base.in_per_rank if row_parallel else in_full
+        # b's rows are the output columns col_lo .. col_hi (those between adapted slices, e.g. k
+        # when only q and v are adapted, stay zero)
+        self.col_lo = slices[0].out_offset
+        self.col_hi = slices[-1].out_offset + slices[-1].out_size
+        self.a = torch.zeros(num_slots, len(slices) * max_rank, self.in_local, dtype=dtype,
                              device=device)
-        self.b = torch.zeros(num_slots, out_local, max_rank, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, self.col_hi - self.col_lo, max_rank, dtype=dtype,
+                             device=device)
 
-    def write_slot(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Fill slot `slot` from an adapter's full (unsharded) A [r, in] / B [out, r] of this
+    def image(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> SlotImage:
+        """A slot's contents from an adapter's full (unsharded) A [r, in] / B [out, r] of this
         layer's projections (`pairs` by PEFT name; a missing one is zero)."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        a_img = torch.zeros(self.a.shape[1:])
+        b_img = torch.zeros(self.b.shape[1:])
         for j, s in enumerate(self.slices):
             if s.module not in pairs:
                 continue
             a, b = pairs[s.module]
             r = a.shape[0]
-            a_dst = self.a[slot, j * self.max_rank: j * self.max_rank + r]
+            a_dst = a_img[j * self.max_rank: j * self.max_rank + r]
+            rows = slice(s.out_offset - self.col_lo, s.out_offset - self.col_lo + s.out_size)
             if self.row_parallel:
-                local = torch.empty(r, a_dst.shape[1])
-                self.base.weight_loader(local, a)  # the rank's input columns
-                a_dst.copy_(local)
-                self.b[slot, :, :r].copy_(b)
+                self.base.weight_loader(a_dst, a)  # the rank's input columns
+                b_img[rows, :r] = b
             else:
                 a_dst.copy_(a)
-                local = torch.zeros(self.b.shape[1], r)
+                local = torch.zeros(self.col_hi, r)
                 if s.shard is None:
                     self.base.weight_loader(local, b)
                 else:
                     self.base.weight_loader(local, b, s.shard)  # the slice's rows of the rank
-                rows = slice(s.out_offset, s.out_offset + s.out_size)
-                self.b[slot, rows, :r].copy_(local[rows])
+                b_img[rows, :r] = local[s.out_offset:s.out_offset + s.out_size]
+        pin = self.a.device.type == "cuda"
+        return SlotImage(a_img.to(self.a.dtype).pin_memory() if pin else a_img.to(self.a.dtype),
+                         b_img.to(self.b.dtype).pin_memory() if pin else b_img.to(self.b.dtype))
 
-    def clear_slot(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+    def put(self, slot: int, image: SlotImage) -> None:
+        """Write an image into a slot, on the current stream (after the steps before it)."""
+        self.a[slot].copy_(image.a, non_blocking=True)
+        self.b[slot].copy_(image.b, non_blocking=True)
+
+    def write_slot(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.put(slot, self.image(pairs))
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, info: LoraBatchInfo) -> torch.Tensor:
         """out (the base layer's output for x, or a row-parallel rank's partial sum) plus each
@@ -106,18 +124,18 @@ class LoraLinear:
                                  device=x2.device)
             sgmv_torch(x2, self.a, shrunk, info.rows, info.indptr_host, add=False)
             for j, s in enumerate(self.slices):
+                lo = s.out_offset - self.col_lo
                 sgmv_torch(shrunk[:, j * rank:(j + 1) * rank],
-                           self.b[:, s.out_offset:s.out_offset + s.out_size],
+                           self.b[:, lo:lo + s.out_size],
                            out2[:, s.out_offset:s.out_offset + s.out_size],
                            info.rows, info.indptr_host, add=True)
             return out
         blocks = (info.rows, info.indptr, info.block_slot, info.block_start, info.block_m)
         # float32 partial sums over K splits [splits, rows, slices x rank]
-        shrunk = torch.empty(shrink_splits(info.block_m, x2.shape[1]), x2.shape[0],
+        shrunk = torch.empty(shrink_splits(x2.shape[0], x2.shape[1]), x2.shape[0],
                              self.a.shape[1], dtype=torch.float32, device=x2.device)
         sgmv_triton(x2, self.a, shrunk, *blocks, add=False)
-        for j, s in enumerate(self.slices):
-            sgmv_triton(shrunk[:, :, j * rank:(j + 1) * rank],
-                        self.b[:, s.out_offset:s.out_offset + s.out_size],
-                        out2[:, s.out_offset:s.out_offset + s.out_size], *blocks, add=True)
+        expand_triton(shrunk, self.b, out2, self.col_lo,
+                      [(s.out_offset, s.out_offset + s.out_size) for s in self.slices], rank,
+                      *blocks)
         return out

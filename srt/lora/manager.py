@@ -19,8 +19,8 @@ import torch
 
 from srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from srt.lora.adapter import BaseShapes, LoraAdapter, LoraError
-from srt.lora.layers import LoraBatchInfo, LoraLinear, Slice
-from srt.lora.sgmv import block_m_for, row_blocks
+from srt.lora.layers import LoraBatchInfo, LoraLinear, Slice, SlotImage
+from srt.lora.sgmv import FILL_ROWS, block_m_for, row_blocks
 from srt.model_process.step_inputs import StagedCopier
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,8 @@ class LoraManager:
         self.device = device
         self.layers = _attach(model, self.base, targets, num_slots, max_rank, dtype, device)
         self.adapters: dict[int, LoraAdapter] = {}
+        # per adapter, each LoraLinear's slot image (layers' order), built once at load
+        self.images: dict[int, list[SlotImage]] = {}
         self.slot_owner: list[int | None] = [None] * num_slots
         self.slot_of: dict[int, int] = {}
         self._last_use = [0] * num_slots
@@ -99,22 +101,25 @@ class LoraManager:
 
     def _warm_up(self) -> None:
         """Compile the Triton kernels of every layer shape now, not at the first request of
-        an adapter (one row through slot 0, which holds zeros)."""
+        an adapter: one row through slot 0 (which holds zeros) with the block size of decode
+        steps and with that of fills."""
         if not self.triton:
             return
         dev = self.device
         indptr = torch.ones(self.num_slots + 1, dtype=torch.int64, device=dev)
         indptr[0] = 0
         zero = torch.zeros(1, dtype=torch.int64, device=dev)
-        info = LoraBatchInfo(zero, indptr, zero, zero, block_m_for(1), None)
         seen: set[tuple] = set()
         for found in self.layers.values():
             for lora, _ in found:
                 key = (lora.a.shape, lora.b.shape, tuple(lora.slices))
-                if key not in seen:
-                    seen.add(key)
-                    x = torch.zeros(1, lora.a.shape[2], dtype=lora.a.dtype, device=self.device)
-                    out = torch.zeros(1, lora.b.shape[1], dtype=lora.b.dtype, device=self.device)
+                if key in seen:
+                    continue
+                seen.add(key)
+                for rows in (1, FILL_ROWS):
+                    info = LoraBatchInfo(zero, indptr, zero, zero, block_m_for(rows), None)
+                    x = torch.zeros(1, lora.a.shape[2], dtype=lora.a.dtype, device=dev)
+                    out = torch.zeros(1, lora.col_hi, dtype=lora.b.dtype, device=dev)
                     lora.apply(x, out, info)
 
     # ------------------------------------------------------------ adapters
@@ -124,11 +129,22 @@ class LoraManager:
         if lora_id in self.adapters:
             raise LoraError(f"adapter id {lora_id} is already loaded")
         adapter = LoraAdapter.load(name, path, self.base, self.max_rank, self.targets)
-        self.adapters[lora_id] = adapter
+        self.add(lora_id, adapter)
         return adapter
+
+    def add(self, lora_id: int, adapter: LoraAdapter) -> None:
+        """Hold a checked adapter under `lora_id`: its slot images are built now (its own
+        tensors are dropped), so placing it in a slot later is two copies per layer."""
+        self.images[lora_id] = [
+            lora.image({m: adapter.weights[(layer, m)] for m in modules
+                        if (layer, m) in adapter.weights})
+            for layer, found in self.layers.items() for lora, modules in found]
+        adapter.weights = {}  # the images hold them now
+        self.adapters[lora_id] = adapter
 
     def unload(self, lora_id: int) -> None:
         self.adapters.pop(lora_id)
+        self.images.pop(lora_id)
         slot = self.slot_of.pop(lora_id, None)
         if slot is not None:
             self.slot_owner[slot] = None
@@ -147,11 +163,9 @@ class LoraManager:
                     raise RuntimeError(f"a step needs more than {self.num_slots} adapters")
                 slot = min(idle, key=lambda s: self._last_use[s])
                 del self.slot_of[self.slot_owner[slot]]
-            adapter = self.adapters[lora_id]
-            for layer, found in self.layers.items():
-                for lora, modules in found:
-                    lora.write_slot(slot, {m: adapter.weights[(layer, m)] for m in modules
-                                           if (layer, m) in adapter.weights})
+            loras = (lora for found in self.layers.values() for lora, _ in found)
+            for lora, image in zip(loras, self.images[lora_id]):
+                lora.put(slot, image)
             self.slot_owner[slot], self.slot_of[lora_id] = lora_id, slot
         self._clock += 1
         self._last_use[slot] = self._clock

@@ -87,9 +87,62 @@ if triton is not None:
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _expand_kernel(x_ptr, b_ptr, out_ptr, rows_ptr, indptr_ptr, block_slot_ptr,
+                       block_start_ptr, COL_LO, COL_HI, LO0, HI0, LO1, HI1, LO2, HI2,
+                       stride_xs, stride_xm, stride_xk, stride_bs, stride_bn, stride_bk,
+                       stride_om, stride_on, RANK: tl.constexpr, X_SPLITS: tl.constexpr,
+                       NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+        b = tl.program_id(0)
+        slot = tl.load(block_slot_ptr + b)
+        if slot < 0:
+            return
+        start = tl.load(block_start_ptr + b)
+        hi_row = tl.load(indptr_ptr + slot + 1)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < hi_row
+        row = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        n0 = COL_LO + tl.program_id(1) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < COL_HI
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_k = offs_k < RANK
+        w = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + (offs_n - COL_LO)[None, :] * stride_bn
+                    + offs_k[:, None] * stride_bk, mask=mask_n[None, :] & mask_k[:, None],
+                    other=0.0)
+        a_mask = mask_m[:, None] & mask_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(NUM_SLICES):
+            if j == 0:
+                lo = LO0
+                hi = HI0
+            elif j == 1:
+                lo = LO1
+                hi = HI1
+            else:
+                lo = LO2
+                hi = HI2
+            if (n0 < hi) & (n0 + BLOCK_N > lo):  # this block holds columns of slice j
+                a_ptrs = x_ptr + row[:, None] * stride_xm + (j * RANK + offs_k)[None, :] * stride_xk
+                a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+                for s in tl.static_range(1, X_SPLITS):  # a split-K shrink's partial sums
+                    a += tl.load(a_ptrs + s * stride_xs, mask=a_mask, other=0.0).to(tl.float32)
+                mine = (offs_n >= lo) & (offs_n < hi)
+                acc += tl.dot(a.to(w.dtype), tl.where(mine[None, :], w, 0.0).to(w.dtype))
+        ptrs = out_ptr + row[:, None] * stride_om + offs_n[None, :] * stride_on
+        mask = mask_m[:, None] & mask_n[None, :]
+        acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+EXPAND_BLOCK_N = 128  # output columns per expand program
+FILL_ROWS = 1025  # steps of this many rows or more take the fills' block size
+
+
 def block_m_for(rows: int) -> int:
     """Rows per block: 16 for decode-sized steps (and every CUDA graph), 64 for fills."""
-    return 16 if rows <= 1024 else 64
+    return 16 if rows < FILL_ROWS else 64
 
 
 def max_row_blocks(rows: int, slots: int, block_m: int) -> int:
@@ -107,10 +160,11 @@ def row_blocks(counts: np.ndarray, indptr: np.ndarray, block_m: int
     return slot, indptr[slot] + local * block_m
 
 
-def shrink_splits(block_m: int, k: int) -> int:
-    """K splits of a shrink: decode-sized steps have few row blocks, so their long K is cut
-    into parallel programs (partial sums the expand adds); fills have rows enough."""
-    return 8 if block_m == 16 and k >= 2048 else 1
+def shrink_splits(rows: int, k: int) -> int:
+    """K splits of a shrink of a step of `rows` rows: decode-sized steps have few row blocks,
+    so their long K is cut into parallel programs (partial sums the expand adds); fills have
+    rows enough."""
+    return 8 if rows < FILL_ROWS and k >= 2048 else 1
 
 
 def sgmv_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
@@ -137,4 +191,30 @@ def sgmv_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows: torch
         x3.stride(0), x3.stride(1), x3.stride(2), w.stride(0), w.stride(1), w.stride(2),
         o3.stride(0), o3.stride(1), o3.stride(2),
         ADD=add, X_SPLITS=x_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+
+
+def expand_triton(x: torch.Tensor, b: torch.Tensor, out: torch.Tensor, col_lo: int,
+                  slices: list[tuple[int, int]], rank: int, rows: torch.Tensor,
+                  indptr: torch.Tensor, block_slot: torch.Tensor, block_start: torch.Tensor,
+                  block_m: int) -> None:
+    """Every slice's expand in one launch: out[r, c] += sum_k x[r, j * rank + k] b[slot, c -
+    col_lo, k] for each row r of a slot and each column c of slice j, slices[j] = (lo, hi) a
+    column range of `out` (at most 3, ascending, from col_lo; columns between slices are left
+    as they are). x [T, slices * rank] or [S, T, slices * rank] (a split-K shrink's partial
+    sums, added as they are read); b [slots, hi_last - col_lo, rank]."""
+    if block_slot.shape[0] == 0:
+        return
+    assert 1 <= len(slices) <= 3
+    x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    col_hi = slices[-1][1]
+    bounds = [v for lo_hi in slices for v in lo_hi] + [0] * (6 - 2 * len(slices))
+    block_n = EXPAND_BLOCK_N
+    grid = (block_slot.shape[0], triton.cdiv(col_hi - col_lo, block_n))
+    _expand_kernel[grid](
+        x3, b, out, rows, indptr, block_slot, block_start, col_lo, col_hi, *bounds,
+        x3.stride(0), x3.stride(1), x3.stride(2), b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1), RANK=rank, X_SPLITS=x3.shape[0],
+        NUM_SLICES=len(slices), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=max(16, triton.next_power_of_2(rank)),
     )

@@ -109,23 +109,26 @@ def test_sgmv_strided_views() -> None:
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
-@pytest.mark.parametrize("layer", ["qkv", "down"])
+@pytest.mark.parametrize("layer", ["qkv", "qv", "down"])
 def test_lora_layer_against_merged_weights(path: str, layer: str) -> None:
     """One layer's LoRA (srt/lora/layers.py) over 3 slots of adapters of ranks 2, 4 and 8 (the
     rank-2 one without k): each row's output is the base output plus its adapter's
     scaling-weighted B A x, slice by slice; rows of no adapter keep the base output. A grid
-    table padded past the step's blocks, as a CUDA graph's, changes nothing."""
+    table padded past the step's blocks, as a CUDA graph's, changes nothing. With q and v
+    adapted but not k ("qv"), k's columns between them keep the base output."""
     from srt.layers.linear import QKVParallelLinear, RowParallelLinear
     from srt.lora.layers import LoraBatchInfo, LoraLinear, Slice
 
     g = torch.Generator().manual_seed(3)
     hidden, heads, kv_heads, hd = 64, 4, 2, 16
-    if layer == "qkv":
+    if layer in ("qkv", "qv"):
         base = QKVParallelLinear(hidden, hd, heads, kv_heads)
         q, kv = heads * hd, kv_heads * hd
         slices = [Slice("q_proj", "q", 0, q), Slice("k_proj", "k", q, kv),
                   Slice("v_proj", "v", q + kv, kv)]
         fan_in, outs = hidden, {"q_proj": q, "k_proj": kv, "v_proj": kv}
+        if layer == "qv":
+            del slices[1], outs["k_proj"]
     else:
         base = RowParallelLinear(96, hidden)
         slices = [Slice("down_proj", None, 0, hidden)]
@@ -147,14 +150,11 @@ def test_lora_layer_against_merged_weights(path: str, layer: str) -> None:
     for row, slot in enumerate(row_slots):
         if slot < 0:
             continue
-        parts = []
         for s in slices:
             if s.module in adapters[slot]:
                 a, b = adapters[slot][s.module]
-                parts.append(b.double() @ (a.double() @ x[row].cpu().double()))
-            else:
-                parts.append(torch.zeros(s.out_size, dtype=torch.float64))
-        want[row] += torch.cat(parts)
+                want[row, s.out_offset:s.out_offset + s.out_size] += \
+                    b.double() @ (a.double() @ x[row].cpu().double())
     rows, indptr = _grouping(row_slots, 3)
     info = LoraBatchInfo(rows.to(DEV), torch.tensor(indptr, device=DEV),
                          *_blocks(row_slots, 3, 16, pad=2), 16,

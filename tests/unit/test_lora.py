@@ -235,7 +235,7 @@ def test_cuda_graph_buffers_take_a_steps_grouping(tmp_path: Any) -> None:
         adapter = LoraAdapter("a", "/a", 4, 1.0, ("q_proj", "down_proj"), {
             (layer, m): (torch.randn(4, fi), torch.randn(fo, 4))
             for layer in range(2) for m, (fi, fo) in shapes.items()})
-        manager.adapters[i] = adapter
+        manager.add(i, adapter)
     runner = SimpleNamespace(attn_backend=None, device=torch.device("cpu"), lora=manager,
                              token_to_kv_pool=SimpleNamespace(size=100),
                              req_to_token_pool=None)
