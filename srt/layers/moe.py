@@ -28,10 +28,15 @@ from srt.layers.linear import _divide
 
 
 # From this many tokens (eager fill batches) the per-expert cuBLAS matmuls of the torch path are
-# faster than the fused kernel: on one H200 with Mixtral's experts, 256 tokens 1.22 vs 1.53 ms,
-# 4096 tokens 5.55 vs 8.48 ms; 64 tokens 1.37 vs 1.21 ms (benchmarks/bench_moe.py). CUDA graphs
-# always take the fused kernel (the torch path reads the expert counts on the host).
+# faster than the fused kernel for a few large experts: on one H200 with Mixtral's experts, 256
+# tokens 1.22 vs 1.53 ms, 4096 tokens 5.55 vs 8.48 ms; 64 tokens 1.37 vs 1.21 ms
+# (benchmarks/bench_moe.py). CUDA graphs always take the fused kernel (the torch path reads the
+# expert counts on the host).
 TORCH_PATH_MIN_TOKENS = 256
+# ... but only up to this many experts a rank: the loop launches about seven kernels an expert,
+# so fine-grained MoE (DeepSeek's 64, Qwen3's 128 small experts) spends its fills launching them
+# (with 26-48 such layers a forward); those always take the fused kernel.
+TORCH_PATH_MAX_EXPERTS = 16
 
 
 def _triton_available() -> bool:
@@ -205,7 +210,8 @@ class FusedMoE(nn.Module):
             mine = (ids >= 0) & (ids < self.local)
             ids, weights = torch.where(mine, ids, 0), torch.where(mine, weights, 0.0)
         if x.is_cuda and _triton_available() and (
-                x.shape[0] < TORCH_PATH_MIN_TOKENS or torch.cuda.is_current_stream_capturing()):
+                x.shape[0] < TORCH_PATH_MIN_TOKENS or self.local > TORCH_PATH_MAX_EXPERTS
+                or torch.cuda.is_current_stream_capturing()):
             from srt.layers.moe_triton import fused_moe_triton
 
             out = fused_moe_triton(x, self.w13_weight, self.w2_weight, weights, ids,
