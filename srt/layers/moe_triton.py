@@ -38,7 +38,9 @@ def tile_config(num_pairs: int, num_experts: int) -> TileConfig:
         return TileConfig(16, 64, 128, 4, 4)
     if per_expert <= 96:
         return TileConfig(32, 64, 64, 4, 4)
-    return TileConfig(64, 128, 64, 8, 3)
+    # fills of fine-grained experts (DeepSeek-V2-Lite's 64 x top 6 on one H100: 2,048 tokens
+    # 1.47 ms against 1.61 with 64-row blocks, 8,192 tokens 3.27 against 3.87; bench_moe --sweep)
+    return TileConfig(128, 128, 64, 8 if per_expert > 256 else 4, 3)
 
 
 @triton.jit
