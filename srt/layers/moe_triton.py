@@ -106,7 +106,9 @@ def align_pairs_by_expert(
         0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
-    order = flat.argsort(stable=True)
+    # narrow keys: a radix sort makes one pass per 8 bits or so of the key type (int64: 8)
+    keys = flat.to(torch.uint8 if num_experts <= 256 else torch.int32)
+    order = keys.argsort(stable=True)
     experts_sorted = flat[order]
     rank_in_expert = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[
         experts_sorted]

@@ -65,7 +65,7 @@ def test_fused_moe_matches_torch_small(tokens: int, experts: int, top_k: int, hi
 
 
 @pytest.mark.parametrize("cfg", [TileConfig(16, 64, 128, 4, 4), TileConfig(32, 64, 64, 4, 4),
-                                 TileConfig(64, 128, 64, 8, 3)])
+                                 TileConfig(128, 128, 64, 4, 3), TileConfig(128, 128, 64, 8, 3)])
 def test_fused_moe_every_tile_config(cfg: TileConfig) -> None:
     """Each row-block size `tile_config` picks (padding, skipped blocks, masked edges)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,7 +74,7 @@ def test_fused_moe_every_tile_config(cfg: TileConfig) -> None:
 
 def test_tile_config_grows_with_pairs_per_expert() -> None:
     sizes = [tile_config(p, 8).block_m for p in (2, 128, 512, 8192)]
-    assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 64
+    assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
 
 
 @pytest.mark.gpu
