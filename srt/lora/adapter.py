@@ -118,7 +118,7 @@ class LoraAdapter:
                 raise LoraError(f"adapter {name!r}: unsupported tensor {key!r} (srt adapts "
                                 f"the projections {', '.join(TARGET_MODULES)} only)")
             layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-            if module not in TARGET_MODULES:
+            if module not in TARGET_MODULES and module not in MERGED_NAMES:
                 raise LoraError(f"adapter {name!r}: unsupported target module {module!r}")
             if layer >= base.num_layers:
                 raise LoraError(f"adapter {name!r}: layer {layer} does not exist (the base "
@@ -126,7 +126,7 @@ class LoraAdapter:
             pairs.setdefault((layer, module), {})[ab] = t
         if not pairs:
             raise LoraError(f"adapter {name!r}: no LoRA weights in the file")
-        targets = tuple(t for t in TARGET_MODULES if any(m == t for _, m in pairs))
+        targets = expand_targets(sorted({m for _, m in pairs}))
         if served_targets is not None:
             extra = [t for t in targets if t not in served_targets]
             if extra:
@@ -138,13 +138,21 @@ class LoraAdapter:
                 raise LoraError(f"adapter {name!r}: layer {layer} {module} lacks lora_"
                                 f"{'B' if 'A' in ab else 'A'}")
             a, b = ab["A"].float(), ab["B"].float()
-            fan_in, fan_out = base.shapes[module]
-            if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
+            # a fused checkpoint module (Phi-3's qkv_proj, gate_up_proj): one A for all its
+            # parts, B's rows the parts' outputs one after another; B A x splits by those rows
+            parts = MERGED_NAMES.get(module, (module,))
+            fan_in = base.shapes[parts[0]][0]
+            outs = [base.shapes[p][1] for p in parts]
+            if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (sum(outs), rank):
                 raise LoraError(
                     f"adapter {name!r}: layer {layer} {module} has A {list(a.shape)} and B "
                     f"{list(b.shape)}; the base model needs A [{rank}, {fan_in}] and B "
-                    f"[{fan_out}, {rank}]")
-            weights[(layer, module)] = (a.contiguous(), (b * scaling).contiguous())
+                    f"[{sum(outs)}, {rank}]")
+            for part, b_part in zip(parts, (b * scaling).split(outs)):
+                if (layer, part) in weights:
+                    raise LoraError(f"adapter {name!r}: layer {layer} adapts {part} twice "
+                                    f"(as {part} and in {module})")
+                weights[(layer, part)] = (a.contiguous(), b_part.contiguous())
         return cls(name, path, rank, scaling, targets, weights)
 
 

@@ -4,7 +4,8 @@ with rsLoRA; o, gate, up and down at rank 16). Requests of the base model and of
 interleaved in one batch, give the greedy tokens and prompt / output logprobs (within 1e-4) of
 transformers running the adapter merged into the base (`merge_and_unload`), at --tp-size 1 and
 2 (gloo). The radix cache never shares KV between adapters (cached-token counts); adapters load
-and unload while requests run, and none is lost; bad adapters are a 400 and the server goes on."""
+and unload while requests run, and none is lost; bad adapters are a 400 and the server goes on.
+A Phi-3 adapter on its fused qkv_proj / gate_up_proj serves as transformers merges it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import requests
 
 from tests.conftest import ServerProcess
 from tests.e2e.test_models import PROMPTS, TOL, Reference, hf_reference
-from tests.random_models import save_random_llama
+from tests.random_models import save_random_llama, save_random_model
 
 peft = pytest.importorskip("peft")
 
@@ -39,11 +40,15 @@ MIX = [None, "A", "B", "C", "A", None, "C", "B"]
 
 
 def _write_adapter(base: str, out: str, name: str, seed: int) -> str:
+    return _write_peft(base, out, *ADAPTERS[name], seed)
+
+
+def _write_peft(base: str, out: str, rank: int, alpha: int, targets: list[str], rslora: bool,
+                seed: int) -> str:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    rank, alpha, targets, rslora = ADAPTERS[name]
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     lora = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
                                             use_rslora=rslora, init_lora_weights=False))
@@ -129,6 +134,26 @@ def test_mixed_batch_tp2(lora_setup: Any) -> None:
     try:
         _check_mix(srv, refs, MIX)
         srv.assert_kv_invariant()
+    finally:
+        srv.stop()
+
+
+def test_phi3_fused_modules(tmp_path: Any) -> None:
+    """A Phi-3 adapter as PEFT writes it for Phi-3's fused layers (qkv_proj, gate_up_proj, and
+    o_proj, down_proj), beside base requests in one batch: transformers' tokens and logprobs
+    with the adapter merged."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    base = save_random_model(str(tmp_path / "phi3"), Phi3Config, Phi3ForCausalLM,
+                             pad_token_id=0, bos_token_id=1, eos_token_id=1, **BASE)
+    adapter = _write_peft(base, str(tmp_path / "P"), 8, 16,
+                          ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], False, 5)
+    refs = {None: hf_reference(base, PROMPTS, NEW),
+            "P": hf_reference(_merged(base, adapter, str(tmp_path / "merged")), PROMPTS, NEW)}
+    assert refs[None].greedy != refs["P"].greedy
+    srv = _serve(base, {"P": adapter})
+    try:
+        _check_mix(srv, refs, [None, "P", "P", None, "P", None, None, "P"])
     finally:
         srv.stop()
 

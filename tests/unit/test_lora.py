@@ -142,6 +142,39 @@ def test_adapter_load_refuses(tmp_path: Any, case: str, message: str) -> None:
         LoraAdapter.load(case, p, BASE, 4 if case == "rank" else 16, served)
 
 
+def test_adapter_load_splits_fused_modules(tmp_path: Any) -> None:
+    """Phi-3's fused qkv_proj / gate_up_proj adapters: one A shared by the parts, B cut by the
+    parts' output rows (B A x = [B_q A x; B_k A x; B_v A x]); a part adapted both fused and
+    alone is refused."""
+    path = str(tmp_path / "f")
+    os.makedirs(path)
+    json.dump({"peft_type": "LORA", "r": 4, "lora_alpha": 4, "bias": "none",
+               "target_modules": ["qkv_proj", "gate_up_proj"]},
+              open(os.path.join(path, "adapter_config.json"), "w"))
+    g = torch.Generator().manual_seed(0)
+    t = {}
+    for i in range(2):
+        for part, mod, rows in (("self_attn", "qkv_proj", 64), ("mlp", "gate_up_proj", 128)):
+            key = f"base_model.model.model.layers.{i}.{part}.{mod}"
+            t[f"{key}.lora_A.weight"] = torch.randn(4, 32, generator=g)
+            t[f"{key}.lora_B.weight"] = torch.randn(rows, 4, generator=g)
+    save_file(t, os.path.join(path, "adapter_model.safetensors"))
+    a = LoraAdapter.load("f", path, BASE, 8, None)
+    assert a.targets == ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    b = t["base_model.model.model.layers.1.self_attn.qkv_proj.lora_B.weight"]
+    a_in = t["base_model.model.model.layers.1.self_attn.qkv_proj.lora_A.weight"]
+    for name, rows in (("q_proj", slice(0, 32)), ("k_proj", slice(32, 48)),
+                       ("v_proj", slice(48, 64))):
+        got_a, got_b = a.weights[(1, name)]
+        assert torch.equal(got_a, a_in) and torch.equal(got_b, b[rows])
+    assert a.weights[(0, "up_proj")][1].shape == (64, 4)
+    t["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"] = torch.randn(4, 32)
+    t["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"] = torch.randn(16, 4)
+    save_file(t, os.path.join(path, "adapter_model.safetensors"))
+    with pytest.raises(LoraError, match="adapts k_proj twice"):
+        LoraAdapter.load("f", path, BASE, 8, None)
+
+
 def test_registry_states_and_ids() -> None:
     reg = LoraRegistry(True, [LoraSpec("a", "/a"), LoraSpec("b", "/b")], max_loaded=3)
     assert reg.resolve("a", "lora_path") == 1 and reg.resolve("b", "lora_path") == 2
