@@ -112,6 +112,13 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
         "down_proj, qkv_proj, gate_up_proj or all (default: those of --lora-paths' adapters).")
     max_loaded_loras: int | None = _f(
         None, "Most adapters loaded at once (default: no limit).")
+    lora_backend: str = _f(
+        "triton", "Kernels of the LoRA products: triton or csgmv (SGLang's names) both run "
+        "srt's segmented Triton kernels over the rows grouped by adapter (a torch loop on the "
+        "CPU).", ("triton", "csgmv"))
+    lora_eviction_policy: str = _f(
+        "lru", "The pool slot a step's adapter takes when none is free: lru (the least "
+        "recently used) or fifo (the one placed first).", ("lru", "fifo"))
     ep_size: int = _f(
         1, "Expert parallelism: 1 shards every expert of a mixture of experts over the "
         "--tp-size ranks (slices of its intermediate size); equal to --tp-size, each rank "

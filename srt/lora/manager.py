@@ -4,8 +4,9 @@ when a step needs them, and each step's grouping of rows by slot.
 Every rank keeps the same adapters under the same ids (the HTTP process numbers them; 0 is the
 base model) and makes the same slot choices, since every rank sees the same steps. The pool has
 `--max-loras-per-batch` slots; the scheduler admits at most that many adapters into a batch, and an
-adapter a step needs that is in no slot takes a free slot or the least recently used one that the
-step does not need (its host copy stays: LRU eviction to host memory). A slot is written on the
+adapter a step needs that is in no slot takes a free slot or, of those the step does not need, the
+least recently used (`--lora-eviction-policy lru`) or the one placed first (fifo); its host copy
+stays (eviction to host memory). A slot is written on the
 device's stream, after the steps launched before it, so a step in flight keeps its weights.
 """
 
@@ -80,7 +81,8 @@ def _attach(model: torch.nn.Module, base: BaseShapes, targets: tuple[str, ...], 
 
 class LoraManager:
     def __init__(self, model: torch.nn.Module, hf_config: Any, num_slots: int, max_rank: int,
-                 targets: tuple[str, ...], device: torch.device, dtype: torch.dtype) -> None:
+                 targets: tuple[str, ...], device: torch.device, dtype: torch.dtype,
+                 eviction: str = "lru") -> None:
         self.base = BaseShapes.of(hf_config)
         self.num_slots, self.max_rank, self.targets = num_slots, max_rank, targets
         self.device = device
@@ -91,6 +93,8 @@ class LoraManager:
         self.slot_owner: list[int | None] = [None] * num_slots
         self.slot_of: dict[int, int] = {}
         self._last_use = [0] * num_slots
+        self._placed_at = [0] * num_slots
+        self.eviction = eviction  # lru: the least recently used slot goes; fifo: the oldest
         self._clock = 0
         self.triton = device.type == "cuda"
         self._copier = StagedCopier(device)
@@ -161,12 +165,14 @@ class LoraManager:
                 idle = [s for s, o in enumerate(self.slot_owner) if o not in needed]
                 if not idle:
                     raise RuntimeError(f"a step needs more than {self.num_slots} adapters")
-                slot = min(idle, key=lambda s: self._last_use[s])
+                age = self._last_use if self.eviction == "lru" else self._placed_at
+                slot = min(idle, key=lambda s: age[s])
                 del self.slot_of[self.slot_owner[slot]]
             loras = (lora for found in self.layers.values() for lora, _ in found)
             for lora, image in zip(loras, self.images[lora_id]):
                 lora.put(slot, image)
             self.slot_owner[slot], self.slot_of[lora_id] = lora_id, slot
+            self._placed_at[slot] = self._clock + 1
         self._clock += 1
         self._last_use[slot] = self._clock
         return slot

@@ -120,7 +120,7 @@ class ModelRunner:
 
             self.lora = LoraManager(self.model, config.hf_config, args.max_loras_per_batch,
                                     args.max_lora_rank, tuple(args.lora_target_modules),
-                                    self.device, self.dtype)
+                                    self.device, self.dtype, args.lora_eviction_policy)
             for i, spec in enumerate(args.lora_specs):
                 self.lora.load(i + 1, spec.name, spec.path)
         if args.enable_custom_all_reduce:

@@ -9,6 +9,7 @@ import math
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -284,3 +285,25 @@ def test_cuda_graph_buffers_take_a_steps_grouping(tmp_path: Any) -> None:
     assert static.lora.block_slot.shape[0] == 2 + 3 and static.lora.rows.shape[0] == 32
     graphs.load_lora(None)
     assert (graphs.lora.block_slot == -1).all()
+
+
+@pytest.mark.parametrize("policy,evicted", [("lru", 2), ("fifo", 1)])
+def test_slot_eviction_policy(policy: str, evicted: int) -> None:
+    """Two slots, three adapters: 1 and 2 are placed, 1 is used again, then 3 needs a slot:
+    lru evicts 2 (used longest ago), fifo evicts 1 (placed first)."""
+    from transformers import LlamaConfig
+
+    from srt.lora.manager import LoraManager
+    from srt.models.llama import LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    manager = LoraManager(LlamaForCausalLM(cfg, 64), cfg, 2, 4, ("q_proj",),
+                          torch.device("cpu"), torch.float32, policy)
+    for i in (1, 2, 3):
+        manager.add(i, LoraAdapter("a", "/a", 4, 1.0, ("q_proj",), {
+            (layer, "q_proj"): (torch.randn(4, 32), torch.randn(32, 4)) for layer in range(2)}))
+    for ids in ([1], [2], [1], [3]):
+        manager.batch_info(np.array(ids))
+    assert set(manager.slot_of) == {1, 2, 3} - {evicted}
+    assert manager.slot_of[3] == (0 if evicted == 1 else 1)
