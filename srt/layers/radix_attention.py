@@ -19,12 +19,15 @@ class RadixAttention(nn.Module):
     def __init__(
         self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
         sliding_window: int | None = None, logit_cap: float = 0.0, kv_shared: bool = False,
+        v_head_dim: int | None = None,
     ) -> None:
         """`sliding_window` W: a query at position p sees the keys at p - W + 1 .. p only
         (transformers' sliding-window mask), None: all before it. `logit_cap` c > 0: each
         scaled score s becomes c * tanh(s / c) before the softmax (Gemma 2's soft-capping).
         `kv_shared`: the layer's keys are its values (multi-head latent attention: one latent
-        vector a token; the pool keeps one buffer and only k is written)."""
+        vector a token; the pool keeps one buffer and only k is written). `v_head_dim`: with
+        kv_shared, the channels of the output the caller reads (the values are the keys' first
+        v_head_dim channels; the decode kernel then reads one tile for both)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -34,6 +37,7 @@ class RadixAttention(nn.Module):
         self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
         self.logit_cap = float(logit_cap or 0.0)
         self.kv_shared = kv_shared
+        self.v_head_dim = v_head_dim if kv_shared and v_head_dim else head_dim
         # Per-tensor scales of an FP8 KV cache (srt/layers/kv_cache_dtype.py): stored = k /
         # k_scale. From the checkpoint's k_scale / v_scale when it has them.
         self.k_scale = 1.0

@@ -75,7 +75,7 @@ class MLAttention(nn.Module):
             m = yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
             scale = scale * m * m
         self.attn = RadixAttention(self.num_heads, self.rank + self.rope, scale, 1, layer_id,
-                                   kv_shared=True)
+                                   kv_shared=True, v_head_dim=self.rank)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t, n = x.shape[0], self.num_heads

@@ -95,3 +95,19 @@ def test_flashinfer_on_cpu_is_a_clear_startup_error(tiny_llama: str) -> None:
     )
     assert proc.returncode != 0
     assert "--attention-backend flashinfer needs a CUDA GPU" in proc.stderr
+
+
+def test_triton_latent_attention_matches_torch(tmp_path: Any) -> None:
+    """DeepSeek-V2's latent attention (one 48-value latent a token: 32 values + 16 rotary) on
+    the Triton kernels, whose decode reads one tile of it as keys and values, gives the torch
+    backend's greedy tokens."""
+    import transformers
+
+    from tests.e2e.test_models import MODELS, SMALL
+    from tests.random_models import save_random_model
+
+    cfg_cls, model_cls, overrides = MODELS["deepseek_v2"]
+    path = save_random_model(str(tmp_path / "dsv2"), getattr(transformers, cfg_cls),
+                             getattr(transformers, model_cls), random_vectors=True,
+                             **{**SMALL, **overrides})
+    assert _serve_greedy(path, "triton") == _serve_greedy(path, "torch")

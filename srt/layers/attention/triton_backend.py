@@ -91,6 +91,10 @@ class TritonAttnBackend(AttentionBackend):
         # heads wider than 256, whose 64-row shared-stage tiles overflow shared memory)
         self.no_shared = any(layer.sliding_window or layer.logit_cap for layer in layers) \
             or self.head_dim > 256
+        # latent attention's values: the first v_head_dim channels of its keys (one layout for
+        # every layer of a model)
+        self.v_head_dim = min((getattr(layer, "v_head_dim", self.head_dim) for layer in layers),
+                              default=self.head_dim)
         self.num_sms = device_num_sms(self.device)
         self.max_kv_splits = DECODE_MAX_KV_SPLITS
         # The flat workspace holds bs * splits partial results; size it for the largest
@@ -177,7 +181,8 @@ class TritonAttnBackend(AttentionBackend):
         seq_lens = torch.full((bs,), 2, dtype=torch.int64, device=self.device)
         for shared in (0,) if self.no_shared else (0, 1):
             decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq_lens, d**-0.5, 1,
-                                 self.workspace, shared_len=shared, shared_splits=shared)
+                                 self.workspace, shared_len=shared, shared_splits=shared,
+                                 v_head_dim=self.v_head_dim)
 
     # ------------------------------------------------------------------ CUDA graphs
 
@@ -218,6 +223,7 @@ class TritonAttnBackend(AttentionBackend):
                 meta.decode.num_kv_splits, self.workspace,
                 k_scale=layer.k_scale, v_scale=layer.v_scale,
                 sliding_window=layer.sliding_window, logit_cap=layer.logit_cap,
+                v_head_dim=layer.v_head_dim,
             )
             return o
         plain = not (layer.sliding_window or layer.logit_cap)
@@ -249,6 +255,7 @@ class TritonAttnBackend(AttentionBackend):
             shared_len=meta.shared_len, shared_splits=meta.shared_splits,
             k_scale=layer.k_scale, v_scale=layer.v_scale,
             sliding_window=layer.sliding_window, logit_cap=layer.logit_cap,
+            v_head_dim=layer.v_head_dim,
         )
         return o
 

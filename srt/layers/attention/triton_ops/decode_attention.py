@@ -99,6 +99,7 @@ def _decode_stage1_kernel(
     PAIRS: tl.constexpr,  # an FP8 pool read as int16 words (K_Buffer/V_Buffer and strides)
     E5M2: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    V_DIM: tl.constexpr,  # below HEAD_DIM: latent attention's values (_attend_store)
 ):
     cur_batch = tl.program_id(0)
     cur_kv_head = tl.program_id(1)
@@ -123,7 +124,8 @@ def _decode_stage1_kernel(
         Req_To_Token + row * stride_r2t, K_Buffer + cur_kv_head * stride_kbuf_h,
         V_Buffer + cur_kv_head * stride_vbuf_h, stride_kbuf_t, stride_vbuf_t, split_start,
         split_end, qk_scale, k_scale, v_scale, cap2, Mid_O + base * HEAD_DIM, Mid_Lse + base,
-        BLOCK_H, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, UPCAST, KV_FP8, PAIRS, E5M2, SOFTCAP)
+        BLOCK_H, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, UPCAST, KV_FP8, PAIRS, E5M2, SOFTCAP,
+        V_DIM)
 
 
 @triton.jit(do_not_specialize=["bs", "num_splits", "total_splits", "shared_len",
@@ -156,6 +158,7 @@ def _decode_shared_kernel(
     PAIRS: tl.constexpr,
     E5M2: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    V_DIM: tl.constexpr,
 ):
     cur_kv_head = tl.program_id(0)
     block_m = tl.program_id(1)
@@ -179,7 +182,8 @@ def _decode_shared_kernel(
         Req_To_Token + row * stride_r2t, K_Buffer + cur_kv_head * stride_kbuf_h,
         V_Buffer + cur_kv_head * stride_vbuf_h, stride_kbuf_t, stride_vbuf_t, split_start,
         split_end, qk_scale, k_scale, v_scale, cap2, Mid_O + base * HEAD_DIM, Mid_Lse + base,
-        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, UPCAST, KV_FP8, PAIRS, E5M2, SOFTCAP)
+        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, UPCAST, KV_FP8, PAIRS, E5M2, SOFTCAP,
+        V_DIM)
 
 
 @triton.jit(do_not_specialize=["num_splits", "total_splits", "shared_len", "shared_splits"])
@@ -243,6 +247,7 @@ def decode_attention_fwd(
     v_scale: float = 1.0,
     sliding_window: int | None = None,
     logit_cap: float = 0.0,
+    v_head_dim: int | None = None,
 ) -> None:
     """One query per request over the whole context `req_to_token[req_pool_indices[i],
     :seq_lens[i]]` (the current token's K/V already in the pool), written into `o`.
@@ -256,7 +261,10 @@ def decode_attention_fwd(
     seq_lens[i] > shared_len; those positions are then read once for the whole batch.
     A pool in FP8 is read as stored * k_scale (v_scale) in q's dtype. `sliding_window` W: only
     the last W positions are read (no shared prefix then); `logit_cap` c > 0: scores s become
-    c * tanh(s / c).
+    c * tanh(s / c). `v_head_dim` below D (multi-head latent attention: 512 of 576): the values
+    are the keys' first v_head_dim channels (v_buffer is not read; a pool in FP8 reads v_buffer
+    as usual, where it holds the same latent) and o's channels from v_head_dim on are only
+    defined where the pool is not FP8 (zero); both parts' widths must be powers of two.
     """
     check_heads(q, k_buffer)
     check_layout(q, o)
@@ -293,13 +301,19 @@ def decode_attention_fwd(
     mid_o = flat[:n_o]
     mid_lse = flat[n_o:need]
 
+    pairs = fp8_pairs(q.dtype, k_buffer.dtype, head_dim)
+    # latent attention's values are its keys' first v_head_dim channels: one tile serves both
+    # (FP8 pools keep the general path: a V tile of the whole width, the same values first)
+    v_dim = v_head_dim if v_head_dim and v_head_dim < head_dim and not kv_fp8 else head_dim
+    if v_dim < head_dim and (v_dim & (v_dim - 1) or (head_dim - v_dim) & (head_dim - v_dim - 1)):
+        raise ValueError(f"v_head_dim {v_dim} and the rest of {head_dim} must be powers of two")
     # (heads wider than 256, as multi-head latent attention's 576, take 16-token blocks: 64
-    # would need over 256 KiB of shared memory for one K and one V tile)
-    block_n = block_n or (DECODE_BLOCK_N if head_dim <= 256 else 16)
+    # would need over 256 KiB of shared memory for one K and one V tile; the latent path reads
+    # one 576-wide tile, 32 tokens of it)
+    block_n = block_n or (DECODE_BLOCK_N if head_dim <= 256 else 32 if v_dim < head_dim else 16)
     block_d = triton.next_power_of_2(head_dim)
     stages = decode_num_stages(head_dim, block_n, k_buffer.element_size(),
-                               device_shared_memory(q.device))
-    pairs = fp8_pairs(q.dtype, k_buffer.dtype, head_dim)
+                               device_shared_memory(q.device), latent=v_dim < head_dim)
     kbuf, vbuf = (k_buffer.view(torch.int16), v_buffer.view(torch.int16)) if pairs else (
         k_buffer, v_buffer)
     e5m2 = k_buffer.dtype == torch.float8_e5m2
@@ -329,6 +343,7 @@ def decode_attention_fwd(
         PAIRS=pairs,
         E5M2=e5m2,
         SOFTCAP=bool(logit_cap),
+        V_DIM=v_dim,
         num_warps=DECODE_NUM_WARPS,
         num_stages=stages,
     )
@@ -362,6 +377,7 @@ def decode_attention_fwd(
             PAIRS=pairs,
             E5M2=e5m2,
             SOFTCAP=bool(logit_cap),
+            V_DIM=v_dim,
             num_warps=DECODE_NUM_WARPS,
             num_stages=stages,
         )

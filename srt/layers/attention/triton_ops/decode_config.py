@@ -66,13 +66,13 @@ def device_shared_memory(device: torch.device | str | None = None) -> int | None
 
 
 def decode_num_stages(head_dim: int, block_n: int, kv_itemsize: int,
-                      shared_memory: int | None) -> int:
+                      shared_memory: int | None, latent: bool = False) -> int:
     """Stage 1's pipeline depth: DECODE_NUM_STAGES (DECODE_NUM_STAGES_SMALL_HEAD for head_dim
     <= 64), less where `shared_memory` bytes per block (None: unknown, no limit) would not hold
     that many K and V tiles with 16 KiB to spare (e.g. 99 KiB GPUs at d 128 get 2); never
-    below 2."""
+    below 2. `latent`: one tile serves as K and V (multi-head latent attention)."""
     stages = DECODE_NUM_STAGES_SMALL_HEAD if head_dim <= 64 else DECODE_NUM_STAGES
-    tiles = 2 * block_n * triton.next_power_of_2(head_dim) * kv_itemsize  # one K and one V
+    tiles = (1 if latent else 2) * block_n * triton.next_power_of_2(head_dim) * kv_itemsize
     while (shared_memory is not None and stages > 2
            and stages * tiles + (16 << 10) > shared_memory):
         stages -= 1

@@ -69,6 +69,31 @@ def _attend_range(q, slot_row, kbuf_base, vbuf_base, stride_kbuf_t, stride_vbuf_
 
 
 @triton.jit
+def _attend_range_latent(q_v, q_r, slot_row, kbuf_base, stride_kbuf_t, start, end, qk_scale,
+                         cap2, m_i, l_i, acc, offs_v, offs_r, BLOCK_N: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                         SOFTCAP: tl.constexpr):
+    """`_attend_range` for multi-head latent attention: the values are the keys' first V_DIM
+    channels, so one key tile, read as its V_DIM part (offs_v) and the rest (offs_r: the
+    rotary part), serves the scores and the values; q_v / q_r the query's parts."""
+    if SOFTCAP:
+        step_scale = 1.0
+    else:
+        step_scale = qk_scale
+    for start_n in range(start, end, BLOCK_N):
+        mask_n, slots = _block_slots(slot_row, start_n, end, BLOCK_N)
+        rows = kbuf_base + slots[:, None] * stride_kbuf_t
+        kv = tl.load(rows + offs_v[None, :], mask=mask_n[:, None], other=0.0).to(q_v.dtype)
+        k_r = tl.load(rows + offs_r[None, :], mask=mask_n[:, None], other=0.0).to(q_v.dtype)
+        qk = _dot(q_v, tl.trans(kv), DOT_PRECISION, UPCAST) + \
+            _dot(q_r, tl.trans(k_r), DOT_PRECISION, UPCAST)
+        qk = tl.where(mask_n[None, :], _capped(qk, qk_scale, cap2, SOFTCAP), float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, kv, m_i, l_i, acc, step_scale, DOT_PRECISION,
+                                             UPCAST)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _fp8_pair_halves(words, E5M2: tl.constexpr):
     """int16 words that each hold two FP8 values of consecutive channels (the even channel in
     the low byte) as two float16 tiles, (even channels, odd channels), with integer operations
@@ -149,11 +174,13 @@ def _attend_store(q_rows, mask_rows, slot_row, kbuf_base, vbuf_base, stride_kbuf
                   ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                   KV_FP8: tl.constexpr, PAIRS: tl.constexpr, E5M2: tl.constexpr,
-                  SOFTCAP: tl.constexpr):
+                  SOFTCAP: tl.constexpr, V_DIM: tl.constexpr):
     """Attend ROWS query rows (q_rows: pointers to each row's first channel) over context
     positions start..end-1 and store each row's normalised partial output at o_rows (its first
     channel) and its log2-sum-exp2 at lse_ptrs. PAIRS: an FP8 pool read as int16 words of two
-    channels (_attend_range_pairs), the pool's pointers and strides in words."""
+    channels (_attend_range_pairs), the pool's pointers and strides in words. V_DIM below
+    HEAD_DIM: the values are the keys' first V_DIM channels (latent attention,
+    _attend_range_latent; vbuf_base unused) and the output's other channels are zero."""
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     if PAIRS:
@@ -178,6 +205,21 @@ def _attend_store(q_rows, mask_rows, slot_row, kbuf_base, vbuf_base, stride_kbuf
         o_ptrs = o_rows[:, None] + 2 * offs_p[None, :]
         tl.store(o_ptrs, acc_lo * w, mask=q_mask)
         tl.store(o_ptrs + 1, acc_hi * w, mask=q_mask)
+    elif V_DIM < HEAD_DIM:
+        R_DIM: tl.constexpr = HEAD_DIM - V_DIM
+        offs_v = tl.arange(0, V_DIM)
+        offs_r = V_DIM + tl.arange(0, R_DIM)
+        q_v = tl.load(q_rows[:, None] + offs_v[None, :], mask=mask_rows[:, None], other=0.0)
+        q_r = tl.load(q_rows[:, None] + offs_r[None, :], mask=mask_rows[:, None], other=0.0)
+        qk_scale, out_scale = _fp8_scales(qk_scale, k_scale, v_scale, KV_FP8, PAIRS, E5M2)
+        acc = tl.zeros([ROWS, V_DIM], dtype=tl.float32)
+        m_i, l_i, acc = _attend_range_latent(
+            q_v, q_r, slot_row, kbuf_base, stride_kbuf_t, start, end, qk_scale, cap2, m_i,
+            l_i, acc, offs_v, offs_r, BLOCK_N, DOT_PRECISION, UPCAST, SOFTCAP)
+        tl.store(o_rows[:, None] + offs_v[None, :], acc * (out_scale / l_i)[:, None],
+                 mask=mask_rows[:, None])
+        tl.store(o_rows[:, None] + offs_r[None, :], tl.zeros([ROWS, R_DIM], dtype=tl.float32),
+                 mask=mask_rows[:, None])
     else:
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
