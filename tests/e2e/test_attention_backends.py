@@ -1,7 +1,7 @@
 """The server with --attention-backend triton (Triton's interpreter on the CPU) gives the torch
 backend's greedy tokens on a small random Llama, so do the per-step pairs of
 --prefill-attention-backend / --decode-attention-backend, and an unusable backend fails at
-start-up."""
+start-up; DeepSeek-V2's latent attention on Triton gives transformers' tokens."""
 
 from __future__ import annotations
 
@@ -50,12 +50,19 @@ def _serve_greedy(model: str, backend: str, *extra: str,
         srv.stop()
 
 
-def test_triton_backend_matches_torch(tiny_llama: str) -> None:
-    assert _serve_greedy(tiny_llama, "triton") == _serve_greedy(tiny_llama, "torch")
+@pytest.fixture(scope="module")
+def torch_greedy(tiny_llama: str) -> list[list[int]]:
+    """The torch backend's tokens: the reference of the tests below (served once)."""
+    return _serve_greedy(tiny_llama, "torch")
 
 
-def test_prefill_and_decode_backends_apart_match_torch(tiny_llama: str) -> None:
-    want = _serve_greedy(tiny_llama, "torch")
+def test_triton_backend_matches_torch(tiny_llama: str, torch_greedy: list[list[int]]) -> None:
+    assert _serve_greedy(tiny_llama, "triton") == torch_greedy
+
+
+def test_prefill_and_decode_backends_apart_match_torch(
+        tiny_llama: str, torch_greedy: list[list[int]]) -> None:
+    want = torch_greedy
     assert _serve_greedy(tiny_llama, "torch", "--decode-attention-backend", "triton",
                          expect_backend="torch (prefill) + triton (decode)") == want
     assert _serve_greedy(tiny_llama, "torch", "--prefill-attention-backend", "triton",
@@ -97,17 +104,18 @@ def test_flashinfer_on_cpu_is_a_clear_startup_error(tiny_llama: str) -> None:
     assert "--attention-backend flashinfer needs a CUDA GPU" in proc.stderr
 
 
-def test_triton_latent_attention_matches_torch(tmp_path: Any) -> None:
+def test_triton_latent_attention_matches_transformers(tmp_path: Any) -> None:
     """DeepSeek-V2's latent attention (one 48-value latent a token: 32 values + 16 rotary) on
-    the Triton kernels, whose decode reads one tile of it as keys and values, gives the torch
-    backend's greedy tokens."""
+    the Triton kernels, whose decode reads one tile of it as keys and values, gives
+    transformers' greedy tokens."""
     import transformers
 
-    from tests.e2e.test_models import MODELS, SMALL
+    from tests.e2e.test_models import MODELS, SMALL, hf_reference
     from tests.random_models import save_random_model
 
     cfg_cls, model_cls, overrides = MODELS["deepseek_v2"]
     path = save_random_model(str(tmp_path / "dsv2"), getattr(transformers, cfg_cls),
                              getattr(transformers, model_cls), random_vectors=True,
                              **{**SMALL, **overrides})
-    assert _serve_greedy(path, "triton") == _serve_greedy(path, "torch")
+    want = hf_reference(path, PROMPTS, PARAMS["max_new_tokens"]).greedy
+    assert _serve_greedy(path, "triton") == want
