@@ -48,6 +48,15 @@ def sgmv_torch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows: torch.
 if triton is not None:
 
     @triton.jit
+    def _block_rows(rows_ptr, indptr_ptr, block_start_ptr, b, slot, BLOCK_M: tl.constexpr):
+        """(mask, row indices as int64) of block b's rows: up to BLOCK_M of slot's group."""
+        start = tl.load(block_start_ptr + b)
+        hi = tl.load(indptr_ptr + slot + 1)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < hi
+        return mask_m, tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+
+    @triton.jit
     def _sgmv_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, indptr_ptr, block_slot_ptr,
                      block_start_ptr, N, K, K_PER_SPLIT, stride_xs, stride_xm, stride_xk,
                      stride_ws, stride_wn, stride_wk, stride_os, stride_om, stride_on,
@@ -57,11 +66,7 @@ if triton is not None:
         slot = tl.load(block_slot_ptr + b)
         if slot < 0:
             return
-        start = tl.load(block_start_ptr + b)
-        hi = tl.load(indptr_ptr + slot + 1)
-        offs_m = start + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < hi
-        row = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        mask_m, row = _block_rows(rows_ptr, indptr_ptr, block_start_ptr, b, slot, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         split = tl.program_id(2)  # this program's range of K (a split-K shrink)
@@ -98,11 +103,7 @@ if triton is not None:
         slot = tl.load(block_slot_ptr + b)
         if slot < 0:
             return
-        start = tl.load(block_start_ptr + b)
-        hi_row = tl.load(indptr_ptr + slot + 1)
-        offs_m = start + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < hi_row
-        row = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        mask_m, row = _block_rows(rows_ptr, indptr_ptr, block_start_ptr, b, slot, BLOCK_M)
         n0 = COL_LO + tl.program_id(1) * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < COL_HI
