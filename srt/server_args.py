@@ -136,6 +136,12 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
                                   "CPU never uses them).")
     cuda_graph_max_bs: int = _f(256, "Largest decode batch captured in a CUDA graph; larger "
                                 "batches run without one.")
+    graph_fill_max_tokens: int | None = _f(
+        None, "Fills of at most this many new tokens (all requests of the fill together) run "
+        "as decode rows, one per token, through the decode CUDA graphs: a short prompt's first "
+        "token costs one graph replay instead of an eager forward's launches. 0 turns it off; "
+        "default 256 where decode graphs are captured (capped at --cuda-graph-max-bs), else "
+        "0. On the CPU a value runs the same rows eagerly.")
     random_seed: int | None = _f(None, "Seed of the sampler (default: random).")
     stream_interval: int = _f(1, "Tokens per streamed chunk.")
     served_model_name: str | None = _f(None, "Model name of the OpenAI API (default: the "
@@ -349,6 +355,8 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
             raise ValueError("--max-running-requests must be >= 1")
         if self.cuda_graph_max_bs < 1:
             raise ValueError("--cuda-graph-max-bs must be >= 1")
+        if self.graph_fill_max_tokens is not None and self.graph_fill_max_tokens < 0:
+            raise ValueError("--graph-fill-max-tokens must be >= 0")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size must be >= 1, or -1 (no chunking)")
         if self.max_fill_tokens_while_decoding == 0 or self.max_fill_tokens_while_decoding < -1:

@@ -52,6 +52,21 @@ class PoolingConfig:
                                      "mean or CLS)")
         return cls(mode, normalize)
 
+    def add(self, pooled: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+        """A request's pooled state after one more fill's `rows` (a chunk's sum, or its last
+        row: the last chunk's replaces it)."""
+        if self.mode == "last" or pooled is None:
+            return rows.clone()
+        return pooled + rows
+
+    def vector(self, pooled: torch.Tensor, prompt_len: int) -> list[float]:
+        """The finished vector: the mean over the prompt's `prompt_len` tokens where pooled
+        so, normalized where the model's configuration says."""
+        v = pooled / prompt_len if self.mode == "mean" else pooled
+        if self.normalize:
+            v = v / v.norm().clamp_min(1e-12)
+        return v.tolist()
+
 
 def pool_rows(hidden: torch.Tensor, extend_lens: list[int], prefix_lens: list[int],
               mode: str) -> torch.Tensor:

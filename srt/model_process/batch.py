@@ -47,6 +47,14 @@ class StepPlan:
     # decode inside it: a mixed step). None: every request (or not a fill).
     n_fill: int | None = None
     verify: VerifyRows | None = None  # a verification step (speculative decoding)
+    fill: bool = False  # a fill planned as DECODE rows (srt.model_process.graph_fill)
+
+    def fill_end(self, i: int) -> int:
+        """Where fill request i's computed tokens end (its prompt is done if that is all of
+        it): after its last row's position."""
+        if self.fill:
+            return int(self.seq_lens[self.sample_rows[i]])
+        return self.prefix_lens[i] + self.extend_lens[i]
 
     @property
     def req_rows(self) -> np.ndarray:

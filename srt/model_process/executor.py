@@ -86,7 +86,7 @@ class InFlight:
             none: list[TokenLogprobs | None] = [None] * len(ids)
             prompt, out = none, list(none)
         if (self.start is not None and self.prev_end is not None
-                and self.plan.mode == ForwardMode.DECODE):
+                and self.plan.mode == ForwardMode.DECODE and not self.plan.fill):
             idle_ms = max(0.0, self.prev_end.elapsed_time(self.start))
             self.timer.gpu_idle(len(self.plan.reqs), idle_ms / 1e3)
         self.result = StepResult(ids, prompt, out)

@@ -42,6 +42,7 @@ from srt.model_config import ModelConfig
 from srt.model_process.batch import Batch, StepPlan
 from srt.model_process.constraints import ConstraintManager
 from srt.model_process.executor import InFlight, StepExecutor
+from srt.model_process.graph_fill import GraphFill
 from srt.model_process.intake import handle_control, new_req
 from srt.model_process.kv import KVManager
 from srt.model_process.logprob_step import prefix_limit
@@ -96,6 +97,7 @@ class ModelProcess:
         # Speculative decoding (--speculative-algorithm): drafts verified in decode steps.
         self.spec = Speculator(args, self.config.vocab_size, self.runner.draft) \
             if args.speculative_algorithm else None
+        self.graph_fill = GraphFill.of(args, self.runner)  # short fills as decode rows
         self.heap = HeapTrimmer()  # the process loop trims when idle and every 30 s of work
         # On a GPU the first fills compile kernels; on the CPU there is nothing to warm up.
         if not args.skip_warmup and self.runner.device.type == "cuda":
@@ -224,7 +226,8 @@ class ModelProcess:
                 r.cached_tokens = len(r.prefix_indices)
                 self.counters.prompt_tokens += len(r.origin_input_ids)
                 self.counters.cached_tokens += r.cached_tokens
-        plan = fill.prepare_fill(slots, self.batch if mix else None)
+        plan = self.graph_fill.plan(fill.prepare_fill(slots, self.batch if mix else None),
+                                    self.counters)
         launched = self.executor.launch(plan)
         if self.inflight is not None:
             self._resolve(outs)
@@ -405,7 +408,7 @@ class ModelProcess:
         self.counters.timer.mark("wait")
         plan = step.plan
         n_fill = (plan.n_fill if plan.n_fill is not None else len(plan.reqs)) \
-            if plan.mode.is_extend() else 0
+            if plan.mode.is_extend() or plan.fill else 0
         live: list[Req] = []
         chunked: list[Req] = []
         for i, (r, tok, prompt_lp, out_lp) in enumerate(zip(
@@ -415,13 +418,13 @@ class ModelProcess:
                 continue
             if i < n_fill:
                 if res.pooled is not None:
-                    self._pool(r, res.pooled[i])
+                    r.pooled = self.runner.pooling.add(r.pooled, res.pooled[i])
                 if prompt_lp is not None:
                     if r.input_logprobs is None:
                         r.input_logprobs = prompt_lp
                     else:  # the entries of the prompt's next chunk
                         r.input_logprobs.extend(prompt_lp)
-                end = plan.prefix_lens[i] + plan.extend_lens[i]
+                end = plan.fill_end(i)
                 if end < len(r.fill_ids):  # a chunk: its prompt goes on in a later fill
                     self.kv.cache_chunk(r, end)
                     self.counters.prefill_chunks += 1
@@ -435,7 +438,8 @@ class ModelProcess:
             if i < n_fill:
                 if r.sampling_params.max_new_tokens == 0 and not r.output_ids:
                     if r.pooled is not None:
-                        r.embedding = self._embedding(r)
+                        r.embedding = self.runner.pooling.vector(r.pooled,
+                                                                 len(r.origin_input_ids))
                     r.end(FinishReason.of_length(0))
                     continue
             self.output.append(r, tok, out_lp, dead_end=False)
@@ -450,21 +454,6 @@ class ModelProcess:
         self.waiting[:0] = chunked
         for r in live:
             self._settle(r, outs, deferred)
-
-    def _pool(self, r: Req, rows: torch.Tensor) -> None:
-        """--is-embedding: one fill's pooled rows of `r` (a chunk's sum, or its last row)."""
-        keep = self.runner.pooling is not None and self.runner.pooling.mode == "last"
-        r.pooled = rows.clone() if keep or r.pooled is None else r.pooled + rows
-
-    def _embedding(self, r: Req) -> list[float]:
-        """The finished vector: the mean over the prompt where pooled so, normalized where the
-        model's configuration says."""
-        pooling = self.runner.pooling
-        assert pooling is not None and r.pooled is not None
-        v = r.pooled / len(r.origin_input_ids) if pooling.mode == "mean" else r.pooled
-        if pooling.normalize:
-            v = v / v.norm().clamp_min(1e-12)
-        return v.tolist()
 
     def release_chunked(self) -> bool:
         """Let the request between prefill chunks give up its row and lock (its computed KV

@@ -25,6 +25,7 @@ class Counters:
     retracted: int = 0
     mixed_steps: int = 0  # steps of the running batch after jumps inside it
     mixed_fills: int = 0  # fill steps that carried the running requests' decode tokens too
+    graph_fills: int = 0  # fill steps run as decode rows (--graph-fill-max-tokens)
     prefill_chunks: int = 0  # fills that computed a chunk of a longer prompt
     overlapped_steps: int = 0  # decode steps launched before the previous one was read
     timer: StepTimer = field(default_factory=StepTimer)
@@ -77,6 +78,8 @@ def stats(p: ModelProcess) -> dict[str, Any]:
         "jump_forward_batch_steps": c.mixed_steps,
         "overlapped_decode_steps": c.overlapped_steps,
         "mixed_fill_steps": c.mixed_fills,
+        "graph_fill_steps": c.graph_fills,
+        "graph_fill_max_tokens": p.graph_fill.max_tokens if not p.graph_fill.off else 0,
         "slow_rounds": c.slow_rounds.snapshot(),
         "prefill_chunks": c.prefill_chunks,
         "chunked_prefill_size": p.chunk_size or -1,

@@ -32,6 +32,9 @@ def warm_up(p: ModelProcess) -> None:
     def ids(mult: int, length: int) -> list[int]:
         return [(mult * i + mult) % vocab for i in range(length)]
 
+    # the warm-up's fills take the eager path they exist to compile (short fills can take
+    # the decode graphs, which need nothing compiled)
+    graph_fill, p.graph_fill.off = p.graph_fill.off, True
     embedding = p.args.is_embedding  # (no decode steps then)
     params = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 0 if embedding else 3,
               "ignore_eos": True}
@@ -51,6 +54,7 @@ def warm_up(p: ModelProcess) -> None:
     warm = None if embedding else getattr(p.runner.attn_backend, "warm_up_eager_decode", None)
     if warm is not None:
         warm(p.kv.req_pool.req_to_token, *p.kv.pool.get_kv_buffer(0))
+    p.graph_fill.off = graph_fill
     p.kv.tree.reset()
     p.rng.setstate(rng_state)
     p.arrivals = 0
