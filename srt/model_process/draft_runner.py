@@ -56,6 +56,7 @@ class DraftRunner(ModelRunner):
         self.dtype = target.dtype
         self.quantization = None
         self.draft = None
+        self.lora = None  # adapters apply to the target only
         self.model = self._load_model()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.inputs = StepInputBuilder(self.device)
