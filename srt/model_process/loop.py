@@ -50,6 +50,7 @@ from srt.model_process.model_runner import ModelRunner
 from srt.model_process.output import OutputProcessor
 from srt.model_process.policy import TokenRatio, select_fill
 from srt.model_process.retraction import make_room
+from srt.model_process.spec_chain import ChainStep, SpecChain, apply_chained, chain_step
 from srt.model_process.speculative import Speculator
 from srt.model_process.radix_cache import RadixCache
 from srt.model_process.req import FinishReason, Req, ReqStatus
@@ -98,6 +99,7 @@ class ModelProcess:
         self.spec = Speculator(args, self.config.vocab_size, self.runner.draft) \
             if args.speculative_algorithm else None
         self.graph_fill = GraphFill.of(args, self.runner)  # short fills as decode rows
+        self.chain = SpecChain(self) if SpecChain.possible(self) else None
         self.heap = HeapTrimmer()  # the process loop trims when idle and every 30 s of work
         # On a GPU the first fills compile kernels; on the CPU there is nothing to warm up.
         if not args.skip_warmup and self.runner.device.type == "cuda":
@@ -303,6 +305,12 @@ class ModelProcess:
         of the running batch. None if no request drafts (the caller takes a plain decode step);
         else True if a request jumped out of the batch (or it emptied), as `_decode_step`."""
         assert self.spec is not None
+        if self.chain is not None:  # chained verification steps, where they can run
+            if self.chain.eligible(self.running):
+                return chain_step(self, outs)
+            if isinstance(self.inflight, ChainStep) and (self._resolve(outs) or not self.batch):
+                self.counters.timer.discard()
+                return True
         if not self.spec.wants_drafts(self.running):
             return None
         if self.inflight is not None:
@@ -391,6 +399,8 @@ class ModelProcess:
     def _resolve(self, outs: list[TokenOut]) -> bool:
         """Read the decode step in flight; True if a request jumped out of the batch."""
         prev, self.inflight = self.inflight, None
+        if isinstance(prev, ChainStep):
+            return apply_chained(self, prev, outs)
         return prev is not None and self._read(prev, outs, then=None)
 
     def _read(self, step: InFlight, outs: list[TokenOut], then: StepPlan | None,

@@ -66,6 +66,7 @@ class HybridAttnBackend(AttentionBackend):
         self.decode_backend = decode
         self.supports_cuda_graph = decode.supports_cuda_graph
         self.supports_shared_prefix = getattr(decode, "supports_shared_prefix", False)
+        self.device_lengths = getattr(decode, "device_lengths", False)
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         if fb.forward_mode == ForwardMode.EXTEND and 0 < fb.decode_tail < fb.batch_size:

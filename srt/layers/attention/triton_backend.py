@@ -189,6 +189,9 @@ class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_shared_prefix = True  # reads ForwardBatch.shared_prefix_len in eager DECODE
     supports_decode_tail = True  # a mixed step's decode rows go through the decode kernel
+    # DECODE steps read each row's length from the device; seq_lens_cpu may be an upper bound
+    # (chained verification steps know no more on the host)
+    device_lengths = True
 
     def init_cuda_graph_capture(self, fb: ForwardBatch) -> None:
         # The split count is baked into the graph: take the one for the longest context, so any

@@ -1,0 +1,303 @@
+"""Chained verification steps (NGRAM): each verification step is launched before the host reads
+the one before it, so the host's work of a step (reading, appending, stop checks, streaming,
+preparing the next) runs while the device computes the next one, as in the overlapped decode
+loop.
+
+A verification step's inputs depend on what the step before accepted: the root is the token the
+target emitted after the last accepted draft, the positions start after it, and the drafts are
+looked up in the tokens including it. So they are computed on the device. Each request's tokens
+live there too (`hist[row]`, `dlen[row]` of them: prompt, outputs, and the last emitted token,
+whose KV is computed by the next step), brought up to the host's copy when a chain starts and
+advanced by every chained step:
+
+  - drafts: the longest suffix of the tokens (`--speculative-ngram-min/max-match-window-size`)
+    that occurred before, its latest occurrence, and the k tokens after it (continued as an
+    overlapping copy near the end), exactly the rule of `NgramIndex.propose`, for all requests
+    at once (`lookup`); where no suffix recurs, the request verifies k copies of its last token;
+  - rows: the root and the k drafts at positions dlen - 1 .., their KV into the k + 1 slots the
+    host gave the request (written to req_to_token on the device);
+  - after sampling (`verify_sample`), the accepted count (the leading drafts equal to the
+    emitted tokens), the emitted tokens into `hist`, `dlen` advanced, and the last emitted token
+    into the executor's `last_ids` (where a plain decode step reads it).
+
+The host reads a step one step late: each request appends its emitted tokens (the accepted
+drafts and the token after them, fewer where it finishes), keeps the KV of their rows and frees
+the rest (page size 1: one slot per position), and books the step (`Speculator.note`). A request
+that finished has the step launched after that one dropped (its slots freed when it is read).
+
+Chains run while every running request can take them (`eligible`): NGRAM drafting chains (no
+tree), no grammar, logprobs, penalties, pending min_new_tokens or per-request seed (their
+sampling reads host state per row), no jump pending, no LoRA... (LoRA is fine: rows are grouped
+by adapter as in any decode step), room in the context for two steps of k + 1 tokens, and an
+attention backend that reads each row's length from the device (`device_lengths`: Triton; the
+torch backend on the CPU, where lengths read back for free). Anything else ends the chain: the
+step in flight is read first, and the plain verification step of `Speculator` (or a decode
+step) runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from srt.layers import parallel_state
+from srt.layers.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.sampler import verify_sample
+from srt.model_process.req import Req, ReqStatus
+from srt.model_process.sampling_info import SamplingRows, build_sampling_info
+from srt.model_process.step_inputs import StagedCopier
+
+if TYPE_CHECKING:
+    from srt.managers.io_struct import TokenOut
+    from srt.model_process.loop import ModelProcess
+
+
+def lookup(hist: torch.Tensor, lens: torch.Tensor, k: int, min_n: int,
+           max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """NGRAM drafts on the device: `hist` [B, W] each request's tokens (the first lens[b] of
+    its row count), k >= 1. Returns (drafts [B, k] int64, found [B] bool). A request whose
+    suffix of min_n tokens never occurred before drafts its last token k times."""
+    B, W = hist.shape
+    dev = hist.device
+    h = hist.to(torch.int64)
+    s = torch.arange(max_n, device=dev)
+    last = (lens - 1).unsqueeze(1)
+    suffix = h.gather(1, (last - s).clamp(min=0))  # [B, n]: the last token first
+    # windows[b, j, t] = h[b, j - t]: the tokens ending at j, latest first (-1 before 0)
+    padded = torch.nn.functional.pad(h, (max_n - 1, 0), value=-1)
+    windows = padded.unfold(1, max_n, 1).flip(-1)  # [B, W, n]
+    eq = (windows == suffix.unsqueeze(1)) & (s < lens.unsqueeze(1)).unsqueeze(1)
+    match = eq.to(torch.int32).cumprod(-1).sum(-1)  # [B, W]: the common suffix length at j
+    j = torch.arange(W, device=dev)
+    match = torch.where(j.unsqueeze(0) <= last - 1, match, 0)  # followed by a token
+    score = torch.where(match >= min_n, match * W + j, -1)  # longest, then latest
+    best, end = score.max(dim=1)
+    found = best >= 0
+    start = end + 1
+    period = (lens - start).clamp(min=1).unsqueeze(1)
+    i = torch.arange(k, device=dev)
+    idx = start.unsqueeze(1) + i.unsqueeze(0) % period
+    drafts = h.gather(1, idx.clamp(max=W - 1))
+    drafts = torch.where(found.unsqueeze(1), drafts, h.gather(1, last).expand(B, k))
+    return drafts, found
+
+
+@dataclass
+class ChainStep:
+    """A launched chained verification step, read one step later (`wait`)."""
+
+    reqs: list[Req]
+    slots: torch.Tensor  # int64 host: k + 1 per request, request by request
+    k: int
+    host: torch.Tensor  # [B, k + 3]: emitted ids (k + 1), accepted count, found
+    done: torch.cuda.Event | None
+
+    def wait(self) -> np.ndarray:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.numpy()
+
+
+class SpecChain:
+    def __init__(self, p: ModelProcess) -> None:
+        args = p.args
+        self.p = p
+        self.runner = p.runner
+        self.dev = p.runner.device
+        self.k = args.speculative_draft_tokens
+        self.min_n = args.speculative_ngram_min_match_window_size
+        self.max_n = args.speculative_ngram_max_match_window_size
+        self.context = p.config.context_len
+        self.copier = StagedCopier(self.dev)
+        self.hist: torch.Tensor | None = None  # [rows, context] int32, made at the first chain
+        self.dlen: torch.Tensor | None = None
+        self.sampling_rows: SamplingRows | None = None
+        self.steps = 0  # chained steps launched
+        self.found = 0  # (request, chained step) pairs whose suffix recurred
+
+    @staticmethod
+    def possible(p: ModelProcess) -> bool:
+        """Whether this server can chain at all (NGRAM chains, a backend that reads lengths
+        from the device, or the CPU)."""
+        args = p.args
+        backend = p.runner.attn_backend
+        return (args.speculative_algorithm == "NGRAM" and p.spec is not None and p.overlap
+                and p.spec.breadth == 1 and args.speculative_draft_tokens >= 1
+                and (p.runner.device.type == "cpu" or getattr(backend, "device_lengths", False)))
+
+    def eligible(self, reqs: list[Req]) -> bool:
+        spec = self.p.spec
+        assert spec is not None
+        if not reqs or len(reqs) >= spec.disable_bs:
+            return False
+        room = self.context - 2 * (self.k + 1)
+        for r in reqs:
+            sp = r.sampling_params
+            if (r.matcher is not None or r.logprob is not None or sp.uses_penalties
+                    or sp.seed is not None or r.kv_valid is not None or r.jump_wanted
+                    or len(r.output_ids) + (self.k + 1) * r.in_flight < sp.min_new_tokens
+                    or r.draft_backoff > 0 or r.remaining_new_tokens < 2
+                    or len(r.origin_input_ids) + len(r.output_ids) > room):
+                return False
+        return True
+
+    def _sync(self, reqs: list[Req], rows: torch.Tensor) -> None:
+        """The requests' tokens as the host has them (nothing in flight) into `hist` and
+        `dlen`."""
+        if self.hist is None:
+            req_to_token = self.p.kv.req_pool.req_to_token
+            self.hist = torch.zeros(req_to_token.shape, dtype=torch.int32, device=self.dev)
+            self.dlen = torch.ones(req_to_token.shape[0], dtype=torch.int64, device=self.dev)
+        seqs = [r.origin_input_ids + r.output_ids for r in reqs]
+        longest = max(map(len, seqs))
+        host = np.zeros((len(seqs), longest), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            host[i, : len(s)] = s
+        t = torch.from_numpy(host).to(self.dev)
+        self.hist[rows.unsqueeze(1), torch.arange(longest, device=self.dev)] = t
+        self.dlen[rows] = torch.tensor(list(map(len, seqs)), dtype=torch.int64).to(self.dev)
+
+    @torch.inference_mode()
+    def launch(self, reqs: list[Req], slots: torch.Tensor, sync: bool) -> ChainStep:
+        """Launch a chained verification step of `reqs` (k + 1 of `slots` each). `sync`: no
+        step is in flight, the host's tokens are the latest."""
+        p, k = self.p, self.k
+        R = k + 1
+        B = len(reqs)
+        rows_h = np.array([r.req_pool_idx for r in reqs], dtype=np.int64)
+        rows, out_loc = self.copier.copy([rows_h, slots.numpy()])
+        if sync or self.hist is None:
+            self._sync(reqs, rows)
+        assert self.hist is not None and self.dlen is not None
+        lens = self.dlen[rows]
+        # every row's tokens lie within the longest the host knows plus one step in flight
+        width = min(self.context, max(len(r.origin_input_ids) + len(r.output_ids)
+                                      for r in reqs) + R)
+        hist = self.hist[rows, :width]
+        drafts, found = lookup(hist, lens, k, self.min_n, self.max_n)
+        root = hist.gather(1, (lens - 1).unsqueeze(1)).to(torch.int64)
+        input_ids = torch.cat([root, drafts], dim=1).view(-1)
+        positions = ((lens - 1).unsqueeze(1) + torch.arange(R, device=self.dev)).view(-1)
+        seq_lens = positions + 1
+        req_idx = rows.repeat_interleave(R)
+        req_pool = p.kv.req_pool
+        req_pool.req_to_token[req_idx, positions] = out_loc.to(torch.int32)
+        if self.dev.type == "cpu":
+            seq_cpu = seq_lens.tolist()
+        else:  # an upper bound: the Triton backend reads the lengths from the device
+            bound = [len(r.origin_input_ids) + len(r.output_ids) + 2 * R for r in reqs]
+            seq_cpu = np.repeat(bound, R).tolist()
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=B * R, input_ids=input_ids,
+            positions=positions, out_cache_loc=out_loc, req_pool_indices=req_idx,
+            seq_lens=seq_lens, seq_lens_cpu=seq_cpu, prefix_lens_cpu=[s - 1 for s in seq_cpu],
+            extend_lens_cpu=[1] * (B * R), req_to_token_pool=req_pool,
+            token_to_kv_pool=self.runner.token_to_kv_pool, attn_backend=self.runner.attn_backend)
+        row_reqs = [r for r in reqs for _ in range(R)]
+        if self.runner.lora is not None:
+            fb.lora = self.runner.lora.batch_info(
+                np.fromiter((r.lora_id for r in row_reqs), dtype=np.int64, count=B * R))
+        logits = self.runner.forward(fb)
+        info, self.sampling_rows = build_sampling_info(
+            row_reqs, p.config.vocab_size, self.dev, p.output.stop_ids, self.sampling_rows)
+        children = torch.cat([drafts, torch.full((B, 1), -1, dtype=torch.int64,
+                                                 device=self.dev)], dim=1).view(-1)
+        out = verify_sample(logits, info, children, self.runner.sampler_generator)
+        out = parallel_state.broadcast_from_first(out).view(B, R)
+        accepted = (out[:, :k] == drafts).to(torch.int64).cumprod(1).sum(1)
+        # the device's copy of the tokens: every row's output after the root (those past the
+        # accepted ones are overwritten later), the length past the kept ones
+        self.hist[rows.unsqueeze(1), lens.unsqueeze(1) + torch.arange(R, device=self.dev)] = \
+            out.to(torch.int32)
+        self.dlen[rows] = lens + accepted + 1
+        p.executor.last_ids.index_copy_(0, rows, out.gather(1, accepted.unsqueeze(1)).view(-1))
+        packed = torch.cat([out, accepted.unsqueeze(1), found.to(torch.int64).unsqueeze(1)], 1)
+        done = None
+        host = packed
+        if self.dev.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        for r in reqs:
+            r.in_flight += 1
+            r.forward_passes += 1
+        self.steps += 1
+        return ChainStep(list(reqs), slots, k, host, done)
+
+
+def chain_step(p: ModelProcess, outs: list[TokenOut]) -> bool | None:
+    """Launch the next chained verification step of the running batch, then read the one in
+    flight (if it was chained and of the same requests). True if the caller's round must end
+    (the batch emptied or a request left it), None if the pool has no room for the step (the
+    caller takes a plain step, which retracts if it must)."""
+    chain = p.chain
+    assert chain is not None and p.spec is not None
+    prev = p.inflight
+    if prev is not None and (not isinstance(prev, ChainStep) or prev.reqs != p.batch.reqs):
+        if p._resolve(outs) or not p.batch:
+            return True
+        prev = None
+    n = len(p.batch) * (chain.k + 1)
+    if p.kv.room() < n:  # (the plain steps retract to make room)
+        if prev is not None:
+            p._resolve(outs)
+        return None
+    step = chain.launch(p.batch.reqs, p.kv.alloc_slots(n), sync=prev is None)
+    p.inflight = step
+    p.ratio.step()
+    p.spec.totals.verify_steps += 1
+    if prev is not None:
+        p.counters.overlapped_steps += 1
+        apply_chained(p, prev, outs)
+    p.counters.timer.end(len(step.reqs))
+    return not p.batch
+
+
+def apply_chained(p: ModelProcess, step: ChainStep, outs: list[TokenOut]) -> bool:
+    """Read a chained step: append each request's emitted tokens, keep their rows' KV and free
+    the rest; a request finished before the step (by the read of the one before) frees all of
+    its rows. Finished requests leave the batch. False (no request jumps: none has a grammar)."""
+    assert p.spec is not None and p.chain is not None
+    chain = p.chain
+    res = step.wait()
+    p.counters.timer.mark("wait")
+    R = step.k + 1
+    req_pool = p.kv.req_pool
+    free: list[torch.Tensor] = []
+    live: list[Req] = []
+    for i, r in enumerate(step.reqs):
+        r.in_flight -= 1
+        mine = step.slots[i * R : (i + 1) * R]
+        if r.finished:
+            free.append(mine)
+            continue
+        base = r.kv_len  # the root's position
+        accepted, found = int(res[i, R]), int(res[i, R + 1])
+        emitted = 0
+        for j in range(accepted + 1):
+            p.output.append(r, int(res[i, j]), None, dead_end=False)
+            emitted += 1
+            if r.finished:
+                break
+        if req_pool.host is not req_pool.req_to_token:
+            req_pool.host.numpy()[r.req_pool_idx, base : base + emitted] = \
+                mine[:emitted].numpy()
+        free.append(mine[emitted:])
+        # (a request whose suffix did not recur verified copies of its last token: drafts too)
+        p.spec.note(r, step.k, min(accepted, emitted - 1), emitted)
+        chain.found += found
+        live.append(r)
+    if free:
+        p.kv.pool.free(torch.cat(free))
+    p.output.finish_dead_ends(live)
+    for r in live:
+        p._settle(r, outs)
+    p.batch.filter(lambda r: r.status == ReqStatus.RUNNING)
+    # (a request with a chained step in flight has no host length: it is read before any
+    # step that uses one)
+    p.batch.kv_lens[:] = [r.kv_len for r in p.batch.reqs]
+    return False
