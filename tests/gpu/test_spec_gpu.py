@@ -80,3 +80,24 @@ def test_standalone_self_draft_equals_plain_decoding(model_dir: str, n: int) -> 
     assert s["verify_steps"] > 0 and s["accepted_tokens"] > 0, s
     assert spec.runner.draft is not None and spec.runner.draft.graph_runner is not None
     assert _free(plain) and _free(spec)
+
+
+def test_chained_ngram_steps_equal_plain_decoding(model_dir: str) -> None:
+    """Chained NGRAM verification steps (drafts, positions and acceptance on the device, under
+    the decode graphs): the greedy ids, finish reasons and lengths of decoding without drafts;
+    the repeats of a greedy output accepted as drafts."""
+    from tests.unit.test_spec_chain import _requests
+
+    plain = _server(model_dir)
+    spec = _server(model_dir, speculative_algorithm="NGRAM")
+    assert spec.chain is not None
+    vocab = plain.config.vocab_size
+    want = serve(plain, _requests(vocab, None))
+    reqs = _requests(vocab, None)
+    got = serve(spec, reqs)
+    assert_same(_greedy_only(got, reqs), _greedy_only(want, reqs))
+    for rid in got:
+        assert got[rid][2] == want[rid][2], rid
+    s = spec.stats()["speculative"]
+    assert spec.chain.steps > 0 and s["verify_steps"] >= spec.chain.steps, s
+    assert _free(plain) and _free(spec)
