@@ -237,8 +237,10 @@ def chain_step(p: ModelProcess, outs: list[TokenOut]) -> bool | None:
     chain = p.chain
     assert chain is not None and p.spec is not None
     prev = p.inflight
-    if prev is not None and (not isinstance(prev, ChainStep) or prev.reqs != p.batch.reqs):
+    if prev is not None and not (isinstance(prev, ChainStep)
+                                 and _same(prev.reqs, p.batch.reqs)):
         if p._resolve(outs) or not p.batch:
+            p.counters.timer.discard()
             return True
         prev = None
     n = len(p.batch) * (chain.k + 1)
@@ -257,6 +259,10 @@ def chain_step(p: ModelProcess, outs: list[TokenOut]) -> bool | None:
     return not p.batch
 
 
+def _same(a: list[Req], b: list[Req]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 def apply_chained(p: ModelProcess, step: ChainStep, outs: list[TokenOut]) -> bool:
     """Read a chained step: append each request's emitted tokens, keep their rows' KV and free
     the rest; a request finished before the step (by the read of the one before) frees all of
@@ -272,8 +278,9 @@ def apply_chained(p: ModelProcess, step: ChainStep, outs: list[TokenOut]) -> boo
     for i, r in enumerate(step.reqs):
         r.in_flight -= 1
         mine = step.slots[i * R : (i + 1) * R]
-        if r.finished:
+        if r.finished:  # launched for nothing
             free.append(mine)
+            r.forward_passes -= 1
             continue
         base = r.kv_len  # the root's position
         accepted, found = int(res[i, R]), int(res[i, R + 1])
