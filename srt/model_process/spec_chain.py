@@ -6,9 +6,10 @@ loop.
 A verification step's inputs depend on what the step before accepted: the root is the token the
 target emitted after the last accepted draft, the positions start after it, and the drafts are
 looked up in the tokens including it. So they are computed on the device. Each request's tokens
-live there too (`hist[row]`, `dlen[row]` of them: prompt, outputs, and the last emitted token,
-whose KV is computed by the next step), brought up to the host's copy when a chain starts and
-advanced by every chained step:
+live there too (`hist[i]`, `dlen[i]` of them for the chain's i-th request: prompt, outputs, and
+the last emitted token, whose KV is computed by the next step), written from the host's copy
+when a chain starts (a chain keeps its requests: any change ends it) and advanced by every
+chained step:
 
   - drafts: the longest suffix of the tokens (`--speculative-ngram-min/max-match-window-size`)
     that occurred before, its latest occurrence, and the k tokens after it (continued as an
@@ -112,7 +113,9 @@ class SpecChain:
         self.max_n = args.speculative_ngram_max_match_window_size
         self.context = p.config.context_len
         self.copier = StagedCopier(self.dev)
-        self.hist: torch.Tensor | None = None  # [rows, context] int32, made at the first chain
+        # [requests, context] int32 and [requests]: made at the first chain, one row per
+        # request of a chain (fewer than --speculative-disable-by-batch-size)
+        self.hist: torch.Tensor | None = None
         self.dlen: torch.Tensor | None = None
         self.sampling_rows: SamplingRows | None = None
         self.steps = 0  # chained steps launched
@@ -144,21 +147,22 @@ class SpecChain:
                 return False
         return True
 
-    def _sync(self, reqs: list[Req], rows: torch.Tensor) -> None:
+    def _sync(self, reqs: list[Req]) -> None:
         """The requests' tokens as the host has them (nothing in flight) into `hist` and
-        `dlen`."""
+        `dlen`, request i at row i."""
         if self.hist is None:
-            req_to_token = self.p.kv.req_pool.req_to_token
-            self.hist = torch.zeros(req_to_token.shape, dtype=torch.int32, device=self.dev)
-            self.dlen = torch.ones(req_to_token.shape[0], dtype=torch.int64, device=self.dev)
+            rows_all, width = self.p.kv.req_pool.req_to_token.shape
+            n = min(rows_all, self.p.spec.disable_bs)
+            self.hist = torch.zeros((n, width), dtype=torch.int32, device=self.dev)
+            self.dlen = torch.ones(n, dtype=torch.int64, device=self.dev)
         seqs = [r.origin_input_ids + r.output_ids for r in reqs]
         longest = max(map(len, seqs))
         host = np.zeros((len(seqs), longest), dtype=np.int32)
         for i, s in enumerate(seqs):
             host[i, : len(s)] = s
-        t = torch.from_numpy(host).to(self.dev)
-        self.hist[rows.unsqueeze(1), torch.arange(longest, device=self.dev)] = t
-        self.dlen[rows] = torch.tensor(list(map(len, seqs)), dtype=torch.int64).to(self.dev)
+        n = len(seqs)
+        self.hist[:n, :longest] = torch.from_numpy(host).to(self.dev)
+        self.dlen[:n] = torch.tensor(list(map(len, seqs)), dtype=torch.int64).to(self.dev)
 
     @torch.inference_mode()
     def launch(self, reqs: list[Req], slots: torch.Tensor, sync: bool) -> ChainStep:
@@ -170,13 +174,13 @@ class SpecChain:
         rows_h = np.array([r.req_pool_idx for r in reqs], dtype=np.int64)
         rows, out_loc = self.copier.copy([rows_h, slots.numpy()])
         if sync or self.hist is None:
-            self._sync(reqs, rows)
+            self._sync(reqs)
         assert self.hist is not None and self.dlen is not None
-        lens = self.dlen[rows]
+        lens = self.dlen[:B].clone()
         # every row's tokens lie within the longest the host knows plus one step in flight
         width = min(self.context, max(len(r.origin_input_ids) + len(r.output_ids)
                                       for r in reqs) + R)
-        hist = self.hist[rows, :width]
+        hist = self.hist[:B, :width]
         drafts, found = lookup(hist, lens, k, self.min_n, self.max_n)
         root = hist.gather(1, (lens - 1).unsqueeze(1)).to(torch.int64)
         input_ids = torch.cat([root, drafts], dim=1).view(-1)
@@ -210,9 +214,9 @@ class SpecChain:
         accepted = (out[:, :k] == drafts).to(torch.int64).cumprod(1).sum(1)
         # the device's copy of the tokens: every row's output after the root (those past the
         # accepted ones are overwritten later), the length past the kept ones
-        self.hist[rows.unsqueeze(1), lens.unsqueeze(1) + torch.arange(R, device=self.dev)] = \
-            out.to(torch.int32)
-        self.dlen[rows] = lens + accepted + 1
+        self.hist[:B].scatter_(1, lens.unsqueeze(1) + torch.arange(R, device=self.dev),
+                               out.to(torch.int32))
+        self.dlen[:B] = lens + accepted + 1
         p.executor.last_ids.index_copy_(0, rows, out.gather(1, accepted.unsqueeze(1)).view(-1))
         packed = torch.cat([out, accepted.unsqueeze(1), found.to(torch.int64).unsqueeze(1)], 1)
         done = None
