@@ -104,6 +104,7 @@ def test_chained_steps_equal_decoding_without_drafts(llama_dir: str) -> None:
     assert kv_is_free(spec)
     # without the overlapped loop nothing chains (a chain is an overlap)
     assert cpu_model_server(llama_dir, disable_overlap_schedule=True, **SPEC).chain is None
+    assert cpu_model_server(llama_dir, speculative_disable_chain=True, **SPEC).chain is None
 
 
 def test_smollm2_copy_prompt_chains(smollm2_dir: str, smollm2_tokenizer: Any) -> None:
