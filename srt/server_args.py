@@ -430,7 +430,7 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
             if f.metadata.get("cli") is False:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            help_ = f.metadata.get("help", "")
+            help_ = f.metadata.get("help", "").replace("%", "%%")  # (argparse formats it)
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=help_)
                 continue
