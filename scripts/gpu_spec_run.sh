@@ -45,6 +45,9 @@
 #   VLLM_METHODS    vLLM's methods in PART=5 (default "ngram_gpu off"; `ngram`, the CPU proposer,
 #                   needs numba, which the machine has)
 #   VLLM_ARGS="..." extra flags of vllm_spec_bench.py (e.g. "--k 4 --lookup-min 2 --lookup-max 4")
+#   SKIP_BENCH=1    PART=2 prepares the model without its default benchmark run (e.g. for
+#                   SRT_CMD='stage prof 200 python3 benchmarks/profile_spec.py --model-path
+#                   /tmp/smollm2 --out $OUT/profile_spec.json')
 # Wheels srt needs that the machine lacks travel in .whl (installed once to /tmp/site): for Python
 # 3.12, pyzmq, fastapi 0.136.3, starlette 1.3.1, uvicorn, pydantic, pydantic-core,
 # annotated-types, typing-inspection, typing-extensions (the machine has anyio, click, h11, idna,
@@ -174,7 +177,7 @@ main() {
        eval "${SRT_CMD-verify_cost}" ;;
     2) need .whlsm/b; cp .whlsm/b/* /tmp/smol-parts/
        [ -n "${TESTS:-}" ] && gpu_tests "$TESTS"
-       prepare_model && spec_bench ""
+       prepare_model && { [ "${SKIP_BENCH:-}" = 1 ] || spec_bench ""; }
        eval "${SRT_CMD:-}" ;;
     3|4) need ".peer/$((PART - 2))"; cp .peer/$((PART - 2))/* /tmp/vllm-parts/
        [ -n "${TESTS:-}" ] && gpu_tests "$TESTS"
