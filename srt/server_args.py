@@ -229,10 +229,11 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
     speculative_disable_by_batch_size: int = _f(
         32, "Decode without drafts while this many requests or more run (verifying drafts "
         "costs throughput once a step is no longer bound by reading the weights).")
-    speculative_disable_chain: bool = _f(
-        False, "NGRAM: verify each step's drafts only after the host has read the step before "
-        "(off: eligible batches chain their verification steps on the device, overlapped "
-        "with the host's work).")
+    speculative_chain: bool = _f(
+        False, "NGRAM: chain the verification steps of eligible batches on the device, each "
+        "launched before the host reads the one before (drafts, positions and acceptance "
+        "computed there), so the host's work overlaps the device's. Off: each verification "
+        "step waits for the host. Equal outputs; on SmolLM2-135M on one H100 no faster yet.")
     skip_warmup: bool = _f(False, "Report ready without first serving two small warm-up "
                            "requests (they compile the fill kernels at start-up instead of in "
                            "the first users' requests).")

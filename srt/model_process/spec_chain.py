@@ -128,7 +128,7 @@ class SpecChain:
         args = p.args
         backend = p.runner.attn_backend
         return (args.speculative_algorithm == "NGRAM" and p.spec is not None and p.overlap
-                and not args.speculative_disable_chain
+                and args.speculative_chain
                 and p.spec.breadth == 1 and args.speculative_draft_tokens >= 1
                 and (p.runner.device.type == "cpu" or getattr(backend, "device_lengths", False)))
 

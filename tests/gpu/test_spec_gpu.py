@@ -89,7 +89,7 @@ def test_chained_ngram_steps_equal_plain_decoding(model_dir: str) -> None:
     from tests.unit.test_spec_chain import _requests
 
     plain = _server(model_dir)
-    spec = _server(model_dir, speculative_algorithm="NGRAM")
+    spec = _server(model_dir, speculative_algorithm="NGRAM", speculative_chain=True)
     assert spec.chain is not None
     vocab = plain.config.vocab_size
     want = serve(plain, _requests(vocab, None))

@@ -19,7 +19,7 @@ from tests.model_process import cpu_model_server, kv_is_free
 from tests.overlap_cases import assert_same, serve
 from tests.unit.test_speculative import COPY, _chat, _greedy_only
 
-SPEC = {"speculative_algorithm": "NGRAM"}
+SPEC = {"speculative_algorithm": "NGRAM", "speculative_chain": True}
 
 
 @pytest.mark.parametrize("min_n,max_n,k", [(1, 12, 4), (2, 4, 4), (1, 3, 7), (3, 5, 1)])
@@ -104,7 +104,7 @@ def test_chained_steps_equal_decoding_without_drafts(llama_dir: str) -> None:
     assert kv_is_free(spec)
     # without the overlapped loop nothing chains (a chain is an overlap)
     assert cpu_model_server(llama_dir, disable_overlap_schedule=True, **SPEC).chain is None
-    assert cpu_model_server(llama_dir, speculative_disable_chain=True, **SPEC).chain is None
+    assert cpu_model_server(llama_dir, speculative_algorithm="NGRAM").chain is None  # (opt-in)
 
 
 def test_smollm2_copy_prompt_chains(smollm2_dir: str, smollm2_tokenizer: Any) -> None:
