@@ -250,8 +250,9 @@ def chain_step(p: ModelProcess, outs: list[TokenOut]) -> bool | None:
         prev = None
     n = len(p.batch) * (chain.k + 1)
     if p.kv.room() < n:  # (the plain steps retract to make room)
-        if prev is not None:
-            p._resolve(outs)
+        if prev is not None and (p._resolve(outs) or not p.batch):
+            p.counters.timer.discard()
+            return True
         return None
     step = chain.launch(p.batch.reqs, p.kv.alloc_slots(n), sync=prev is None)
     p.inflight = step

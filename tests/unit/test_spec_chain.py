@@ -2,7 +2,8 @@
 device lookup drafts what the host's n-gram index drafts; a batch that chains gives the tokens,
 finish reasons and lengths of decoding without drafts (stops mid-way, lengths past the drafts,
 sampled requests beside greedy ones), with the chained steps counted and the KV pool whole
-after; SmolLM2 on a copy prompt accepts most drafts and equals decoding without them."""
+after; a pool too small for them retracts and keeps the tokens; SmolLM2 on a copy prompt
+accepts most drafts and equals decoding without them."""
 
 from __future__ import annotations
 
@@ -119,3 +120,19 @@ def test_smollm2_copy_prompt_chains(smollm2_dir: str, smollm2_tokenizer: Any) ->
     s = spec.stats()["speculative"]
     assert spec.chain.steps > 0 and s["accept_length"] > 2.0, s
     assert kv_is_free(spec)
+
+
+def test_small_pool_retracts_around_chains(llama_dir: str) -> None:
+    """Under a pool too small for every request's chained step, chains give way to plain
+    steps that retract and resume requests: the tokens of a large pool, the pool whole."""
+    reqs = lambda: [TokenizedGenerateReq(  # noqa: E731
+        f"c{i}", ([7 + i, 40, 41, 42, 43] * 6)[: 20 + i], {"temperature": 0,
+                                                         "max_new_tokens": 60,
+                                                         "ignore_eos": True})
+        for i in range(8)]
+    want = serve(cpu_model_server(llama_dir), reqs())
+    small = cpu_model_server(llama_dir, max_total_tokens=300, **SPEC)
+    got = serve(small, reqs())
+    assert small.stats()["retracted_reqs"] > 0 and small.chain.steps > 0
+    assert {k: v[:3] for k, v in got.items()} == {k: v[:3] for k, v in want.items()}
+    assert kv_is_free(small)
