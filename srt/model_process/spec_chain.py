@@ -26,11 +26,12 @@ drafts and the token after them, fewer where it finishes), keeps the KV of their
 the rest (page size 1: one slot per position), and books the step (`Speculator.note`). A request
 that finished has the step launched after that one dropped (its slots freed when it is read).
 
-Chains run while every running request can take them (`eligible`): NGRAM drafting chains (no
-tree), no grammar, logprobs, penalties, pending min_new_tokens or per-request seed (their
-sampling reads host state per row), no jump pending, no LoRA... (LoRA is fine: rows are grouped
-by adapter as in any decode step), room in the context for two steps of k + 1 tokens, and an
-attention backend that reads each row's length from the device (`device_lengths`: Triton; the
+Chains run with `--speculative-chain` and the overlapped loop, while every running request can
+take them (`eligible`): NGRAM drafting chains (no tree); no grammar, logprobs, penalties,
+pending min_new_tokens or per-request seed (their sampling reads host state per row); no jump
+pending; not backing off after rejected drafts; room in the context for two steps of k + 1
+tokens. LoRA adapters are fine (rows are grouped by adapter as in any decode step). The
+attention backend must read each row's length from the device (`device_lengths`: Triton; the
 torch backend on the CPU, where lengths read back for free). Anything else ends the chain: the
 step in flight is read first, and the plain verification step of `Speculator` (or a decode
 step) runs.
