@@ -29,8 +29,9 @@ that finished has the step launched after that one dropped (its slots freed when
 Chains run with `--speculative-chain` and the overlapped loop, while every running request can
 take them (`eligible`): NGRAM drafting chains (no tree); no grammar, logprobs, penalties,
 pending min_new_tokens or per-request seed (their sampling reads host state per row); no jump
-pending; not backing off after rejected drafts; room in the context for two steps of k + 1
-tokens. LoRA adapters are fine (rows are grouped by adapter as in any decode step). The
+pending; not backing off after drafts rejected by unchained steps; room in the context for two
+steps of k + 1 tokens. Chained steps never back off themselves (a rejected or missing lookup
+costs a step of about a plain step's time, and backing off would end the chain). LoRA adapters are fine (rows are grouped by adapter as in any decode step). The
 attention backend must read each row's length from the device (`device_lengths`: Triton; the
 torch backend on the CPU, where lengths read back for free). Anything else ends the chain: the
 step in flight is read first, and the plain verification step of `Speculator` (or a decode
@@ -120,6 +121,7 @@ class SpecChain:
         self.dlen: torch.Tensor | None = None
         self.sampling_rows: SamplingRows | None = None
         self.steps = 0  # chained steps launched
+        self.starts = 0  # chains started (steps launched with nothing in flight to follow)
         self.found = 0  # (request, chained step) pairs whose suffix recurred
 
     @staticmethod
@@ -177,6 +179,7 @@ class SpecChain:
         rows, out_loc = self.copier.copy([rows_h, slots.numpy()])
         if sync or self.hist is None:
             self._sync(reqs)
+            self.starts += 1
         assert self.hist is not None and self.dlen is not None
         lens = self.dlen[:B].clone()
         # every row's tokens lie within the longest the host knows plus one step in flight
@@ -302,7 +305,7 @@ def apply_chained(p: ModelProcess, step: ChainStep, outs: list[TokenOut]) -> boo
                 mine[:emitted].numpy()
         free.append(mine[emitted:])
         # (a request whose suffix did not recur verified copies of its last token: drafts too)
-        p.spec.note(r, step.k, min(accepted, emitted - 1), emitted)
+        p.spec.note(r, step.k, min(accepted, emitted - 1), emitted, chained=True)
         chain.found += found
         live.append(r)
     if free:

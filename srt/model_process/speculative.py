@@ -245,10 +245,14 @@ class Speculator:
             self.counts(r).verify_ct += 1
             r.draft_backoff = max(0, r.draft_backoff - 1)
 
-    def note(self, req: Req, drafted: int, accepted: int, emitted: int) -> None:
+    def note(self, req: Req, drafted: int, accepted: int, emitted: int,
+             chained: bool = False) -> None:
         """A verification step of `req`: `drafted` draft tokens, `accepted` of them kept,
-        `emitted` tokens appended in all."""
-        if drafted == 0:
+        `emitted` tokens appended in all. A chained step (`spec_chain`) never backs off: it
+        costs about a plain step, and backing off would break the chain."""
+        if chained:
+            req.draft_misses = 0
+        elif drafted == 0:
             req.draft_backoff = max(0, req.draft_backoff - 1)
         elif accepted == 0 and self.backoff:
             req.draft_misses += 1
