@@ -174,9 +174,15 @@ class CudaGraphRunner:
             self.seq_lens[bs:pbs].fill_(1)
         if self.lora is not None:
             self.load_lora(fb.lora)
-        static = self._static_batch(pbs, list(fb.seq_lens_cpu) + [1] * (pbs - bs))
-        self.backend.init_cuda_graph_replay(static)
-        self.graphs[pbs].replay()
+        out = self.replay_static(pbs, list(fb.seq_lens_cpu) + [1] * (pbs - bs))
         if pbs in self.hidden:
             self.runner.model.spec_hidden = self.hidden[pbs][:bs]
-        return self.outputs[pbs][:bs]
+        return out[:bs]
+
+    def replay_static(self, pbs: int, seq_lens_cpu: list[int]) -> torch.Tensor:
+        """Replay the graph of `pbs` rows (a captured size) over what its static inputs hold
+        now, every row of it already written (padding too); its logits [pbs, vocab].
+        `seq_lens_cpu`: the rows' lengths or upper bounds (what the backend's replay reads)."""
+        self.backend.init_cuda_graph_replay(self._static_batch(pbs, seq_lens_cpu))
+        self.graphs[pbs].replay()
+        return self.outputs[pbs]

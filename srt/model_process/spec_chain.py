@@ -51,41 +51,12 @@ from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.sampler import verify_sample
 from srt.model_process.req import Req, ReqStatus
 from srt.model_process.sampling_info import SamplingRows, build_sampling_info
+from srt.model_process.spec_chain_graph import ChainGraphs, lookup, width_for
 from srt.model_process.step_inputs import StagedCopier
 
 if TYPE_CHECKING:
     from srt.managers.io_struct import TokenOut
     from srt.model_process.loop import ModelProcess
-
-
-def lookup(hist: torch.Tensor, lens: torch.Tensor, k: int, min_n: int,
-           max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """NGRAM drafts on the device: `hist` [B, W] each request's tokens (the first lens[b] of
-    its row count), k >= 1. Returns (drafts [B, k] int64, found [B] bool). A request whose
-    suffix of min_n tokens never occurred before drafts its last token k times."""
-    B, W = hist.shape
-    dev = hist.device
-    h = hist.to(torch.int64)
-    s = torch.arange(max_n, device=dev)
-    last = (lens - 1).unsqueeze(1)
-    suffix = h.gather(1, (last - s).clamp(min=0))  # [B, n]: the last token first
-    # windows[b, j, t] = h[b, j - t]: the tokens ending at j, latest first (-1 before 0)
-    padded = torch.nn.functional.pad(h, (max_n - 1, 0), value=-1)
-    windows = padded.unfold(1, max_n, 1).flip(-1)  # [B, W, n]
-    eq = (windows == suffix.unsqueeze(1)) & (s < lens.unsqueeze(1)).unsqueeze(1)
-    match = eq.to(torch.int32).cumprod(-1).sum(-1)  # [B, W]: the common suffix length at j
-    j = torch.arange(W, device=dev)
-    match = torch.where(j.unsqueeze(0) <= last - 1, match, 0)  # followed by a token
-    score = torch.where(match >= min_n, match * W + j, -1)  # longest, then latest
-    best, end = score.max(dim=1)
-    found = best >= 0
-    start = end + 1
-    period = (lens - start).clamp(min=1).unsqueeze(1)
-    i = torch.arange(k, device=dev)
-    idx = start.unsqueeze(1) + i.unsqueeze(0) % period
-    drafts = h.gather(1, idx.clamp(max=W - 1))
-    drafts = torch.where(found.unsqueeze(1), drafts, h.gather(1, last).expand(B, k))
-    return drafts, found
 
 
 @dataclass
@@ -120,6 +91,12 @@ class SpecChain:
         self.hist: torch.Tensor | None = None
         self.dlen: torch.Tensor | None = None
         self.sampling_rows: SamplingRows | None = None
+        # the step's device work as CUDA graphs (greedy chains of one rank on a GPU, no LoRA)
+        self.graphable = (self.dev.type == "cuda" and p.runner.graph_runner is not None
+                          and p.runner.lora is None and parallel_state.tp_size() == 1)
+        self.graphs: ChainGraphs | None = None
+        self.greedy = False  # every request of the current chain is greedy
+        self.graphed = 0  # steps launched through the graphs
         self.steps = 0  # chained steps launched
         self.starts = 0  # chains started (steps launched with nothing in flight to follow)
         self.found = 0  # (request, chained step) pairs whose suffix recurred
@@ -167,24 +144,23 @@ class SpecChain:
         n = len(seqs)
         self.hist[:n, :longest] = torch.from_numpy(host).to(self.dev)
         self.dlen[:n] = torch.tensor(list(map(len, seqs)), dtype=torch.int64).to(self.dev)
+        self.greedy = all(r.sampling_params.is_greedy for r in reqs)
+        if self.graphable and self.graphs is None:
+            self.graphs = ChainGraphs(self.hist, self.dlen, self.p.executor.last_ids,
+                                      self.p.kv.req_pool.req_to_token,
+                                      self.runner.graph_runner, self.k, self.min_n, self.max_n)
 
-    @torch.inference_mode()
-    def launch(self, reqs: list[Req], slots: torch.Tensor, sync: bool) -> ChainStep:
-        """Launch a chained verification step of `reqs` (k + 1 of `slots` each). `sync`: no
-        step is in flight, the host's tokens are the latest."""
+    def _eager(self, reqs: list[Req], rows_h: np.ndarray, slots: torch.Tensor, width: int,
+               bound: list[int]) -> torch.Tensor:
+        """The step's device work op by op (sampled requests, LoRA, TP, the CPU, or more rows
+        than the decode graphs hold); the packed result [B, k + 3] as `ChainGraphs.run_post`
+        returns it."""
         p, k = self.p, self.k
         R = k + 1
         B = len(reqs)
-        rows_h = np.array([r.req_pool_idx for r in reqs], dtype=np.int64)
-        rows, out_loc = self.copier.copy([rows_h, slots.numpy()])
-        if sync or self.hist is None:
-            self._sync(reqs)
-            self.starts += 1
         assert self.hist is not None and self.dlen is not None
+        rows, out_loc = self.copier.copy([rows_h, slots.numpy()])
         lens = self.dlen[:B].clone()
-        # every row's tokens lie within the longest the host knows plus one step in flight
-        width = min(self.context, max(len(r.origin_input_ids) + len(r.output_ids)
-                                      for r in reqs) + R)
         hist = self.hist[:B, :width]
         drafts, found = lookup(hist, lens, k, self.min_n, self.max_n)
         root = hist.gather(1, (lens - 1).unsqueeze(1)).to(torch.int64)
@@ -196,8 +172,7 @@ class SpecChain:
         req_pool.req_to_token[req_idx, positions] = out_loc.to(torch.int32)
         if self.dev.type == "cpu":
             seq_cpu = seq_lens.tolist()
-        else:  # an upper bound: the Triton backend reads the lengths from the device
-            bound = [len(r.origin_input_ids) + len(r.output_ids) + 2 * R for r in reqs]
+        else:
             seq_cpu = np.repeat(bound, R).tolist()
         fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=B * R, input_ids=input_ids,
@@ -223,7 +198,37 @@ class SpecChain:
                                out.to(torch.int32))
         self.dlen[:B] = lens + accepted + 1
         p.executor.last_ids.index_copy_(0, rows, out.gather(1, accepted.unsqueeze(1)).view(-1))
-        packed = torch.cat([out, accepted.unsqueeze(1), found.to(torch.int64).unsqueeze(1)], 1)
+        return torch.cat([out, accepted.unsqueeze(1), found.to(torch.int64).unsqueeze(1)], 1)
+
+    @torch.inference_mode()
+    def launch(self, reqs: list[Req], slots: torch.Tensor, sync: bool) -> ChainStep:
+        """Launch a chained verification step of `reqs` (k + 1 of `slots` each). `sync`: no
+        step is in flight, the host's tokens are the latest."""
+        k = self.k
+        R = k + 1
+        B = len(reqs)
+        rows_h = np.array([r.req_pool_idx for r in reqs], dtype=np.int64)
+        if sync or self.hist is None:
+            self._sync(reqs)
+            self.starts += 1
+        assert self.hist is not None and self.dlen is not None
+        # every row's tokens lie within the longest the host knows plus one step in flight
+        longest = max(len(r.origin_input_ids) + len(r.output_ids) for r in reqs) + R
+        # (an upper bound of each row's length: the Triton backend reads them from the device)
+        bound = [len(r.origin_input_ids) + len(r.output_ids) + 2 * R for r in reqs]
+        g = self.graphs
+        if g is not None and self.greedy and g.fits(B):
+            host_in = np.zeros(g.slot_at + B * R, dtype=np.int64)
+            host_in[:B] = rows_h
+            host_in[g.slot_at:] = slots.numpy()
+            pbs = g.run_pre(B, width_for(longest, self.hist.shape[1]),
+                            self.copier.copy([host_in])[0])
+            seq_cpu = np.repeat(bound, R).tolist() + [1] * (pbs - B * R)
+            self.runner.graph_runner.replay_static(pbs, seq_cpu)
+            packed = g.run_post(B)
+            self.graphed += 1
+        else:
+            packed = self._eager(reqs, rows_h, slots, min(self.context, longest), bound)
         done = None
         host = packed
         if self.dev.type == "cuda":

@@ -82,22 +82,44 @@ def test_standalone_self_draft_equals_plain_decoding(model_dir: str, n: int) -> 
     assert _free(plain) and _free(spec)
 
 
-def test_chained_ngram_steps_equal_plain_decoding(model_dir: str) -> None:
+@pytest.mark.parametrize("greedy", [False, True])
+def test_chained_ngram_steps_equal_plain_decoding(model_dir: str, greedy: bool) -> None:
     """Chained NGRAM verification steps (drafts, positions and acceptance on the device, under
     the decode graphs): the greedy ids, finish reasons and lengths of decoding without drafts;
-    the repeats of a greedy output accepted as drafts."""
+    the repeats of a greedy output accepted as drafts. With only greedy requests (and one of a
+    prompt past the first lookup width) the steps run as CUDA graphs around the decode graph
+    (`ChainGraphs`); with sampled ones among them op by op until those finish."""
+    from srt.managers.io_struct import TokenizedGenerateReq
     from tests.unit.test_spec_chain import _requests
 
     plain = _server(model_dir)
     spec = _server(model_dir, speculative_algorithm="NGRAM", speculative_chain=True)
     assert spec.chain is not None
     vocab = plain.config.vocab_size
-    want = serve(plain, _requests(vocab, None))
-    reqs = _requests(vocab, None)
-    got = serve(spec, reqs)
-    assert_same(_greedy_only(got, reqs), _greedy_only(want, reqs))
-    for rid in got:
-        assert got[rid][2] == want[rid][2], rid
+
+    def reqs_of() -> list:
+        reqs = _requests(vocab, None)
+        if greedy:
+            reqs = [r for r in reqs if r.sampling_params.get("temperature") == 0]
+        return reqs
+
+    def long() -> list:  # alone, after the others: a second lookup width
+        return [TokenizedGenerateReq("long", [(7 * i) % 97 + 3 for i in range(300)],
+                                     {"temperature": 0, "ignore_eos": True,
+                                      "max_new_tokens": 30})]
+
+    for make in (reqs_of, long) if greedy else (reqs_of,):
+        want = serve(plain, make())
+        reqs = make()
+        got = serve(spec, reqs)
+        assert_same(_greedy_only(got, reqs), _greedy_only(want, reqs))
+        for rid in got:
+            assert got[rid][2] == want[rid][2], rid
     s = spec.stats()["speculative"]
-    assert spec.chain.steps > 0 and s["verify_steps"] >= spec.chain.steps, s
+    chain = spec.chain
+    assert chain.steps > 0 and s["verify_steps"] >= chain.steps, s
+    assert chain.graphed > 0 and chain.graphs is not None, (chain.steps, chain.graphed)
+    if greedy:
+        widths = {w for _, w in chain.graphs.pre}
+        assert len(widths) >= 2, widths
     assert _free(plain) and _free(spec)

@@ -15,7 +15,7 @@ import torch
 
 from srt.managers.io_struct import TokenizedGenerateReq
 from srt.model_process.ngram import NgramIndex
-from srt.model_process.spec_chain import lookup
+from srt.model_process.spec_chain_graph import lookup
 from tests.model_process import cpu_model_server, kv_is_free
 from tests.overlap_cases import assert_same, serve
 from tests.unit.test_speculative import COPY, _chat, _greedy_only
@@ -23,8 +23,11 @@ from tests.unit.test_speculative import COPY, _chat, _greedy_only
 SPEC = {"speculative_algorithm": "NGRAM", "speculative_chain": True}
 
 
-@pytest.mark.parametrize("min_n,max_n,k", [(1, 12, 4), (2, 4, 4), (1, 3, 7), (3, 5, 1)])
-def test_lookup_drafts_as_the_host_index(min_n: int, max_n: int, k: int) -> None:
+@pytest.mark.parametrize("min_n,max_n,k,pad", [(1, 12, 4, 5), (2, 4, 4, 5), (1, 3, 7, 5),
+                                               (3, 5, 1, 5), (2, 4, 4, 300)])
+def test_lookup_drafts_as_the_host_index(min_n: int, max_n: int, k: int, pad: int) -> None:
+    """`pad`: columns past the longest sequence, junk of the sequences' own alphabet there (the
+    graphs' lookup reads a power-of-two width: nothing past a request's length may count)."""
     rng = random.Random(min_n * 100 + max_n * 10 + k)
     seqs = []
     for i in range(40):
@@ -33,8 +36,8 @@ def test_lookup_drafts_as_the_host_index(min_n: int, max_n: int, k: int) -> None
         if i % 5 == 0:  # a run (an overlapping copy drafts it)
             seq += [seq[-1]] * rng.randrange(1, 4)
         seqs.append(seq)
-    width = max(map(len, seqs)) + 5
-    hist = torch.randint(100, 200, (len(seqs), width), dtype=torch.int32)  # junk past the end
+    width = max(map(len, seqs)) + pad
+    hist = torch.randint(0, 9, (len(seqs), width), dtype=torch.int32)  # junk past the end
     for i, s in enumerate(seqs):
         hist[i, : len(s)] = torch.tensor(s, dtype=torch.int32)
     lens = torch.tensor([len(s) for s in seqs])
