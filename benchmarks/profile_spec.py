@@ -74,16 +74,20 @@ def run(mode: str, a: Any, prompts: list[list[int]]) -> dict[str, Any]:
     launches = sum(e.count for e in kernels)
     stats = p.stats()
     res = {"mode": mode, "bare_s": round(bare, 4),
-           "bare_tok_per_s": round(bare_tokens / bare, 1), "wall_s": round(wall, 4), "gpu_kernel_s": round(gpu, 4),
+           "bare_tok_per_s": round(bare_tokens / bare, 1), "wall_s": round(wall, 4),
+           "gpu_kernel_s": round(gpu, 4),
            "tokens": tokens, "tok_per_s": round(tokens / wall, 1), "kernels": launches,
            "speculative": stats.get("speculative"),
            "chained_steps": p.chain.steps if getattr(p, "chain", None) else 0,
            "chain_starts": p.chain.starts if getattr(p, "chain", None) else 0,
+           "graphed_steps": p.chain.graphed if getattr(p, "chain", None) else 0,
            "decode_step_times": stats.get("decode_step_times")}
     print(f"== {mode}: unprofiled {bare_tokens} tokens in {bare:.3f} s "
-          f"({bare_tokens / bare:.1f} tok/s); profiled {tokens} tokens in {wall:.3f} s ({tokens / wall:.1f} tok/s), GPU kernels "
-          f"{gpu:.3f} s ({100 * gpu / wall:.0f}% of the wall), {launches} kernels, chained "
-          f"steps {res['chained_steps']} in {res['chain_starts']} chains, speculative {res['speculative']}", flush=True)
+          f"({bare_tokens / bare:.1f} tok/s); profiled {tokens} tokens in {wall:.3f} s "
+          f"({tokens / wall:.1f} tok/s), GPU kernels {gpu:.3f} s ({100 * gpu / wall:.0f}% of "
+          f"the wall), {launches} kernels, chained steps {res['chained_steps']} in "
+          f"{res['chain_starts']} chains ({res['graphed_steps']} graphed), speculative "
+          f"{res['speculative']}", flush=True)
     print(prof.key_averages().table(
         sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=a.rows),
         flush=True)
@@ -112,7 +116,8 @@ def main() -> None:
     print("mode     bare tok/s   tok/s   wall_s  gpu_kernel_s  kernels  chained  chains")
     for r in results:
         print(f"{r['mode']:8s} {r['bare_tok_per_s']:10.1f} {r['tok_per_s']:7.1f} "
-              f"{r['wall_s']:8.3f} {r['gpu_kernel_s']:12.3f} {r['kernels']:8d} {r['chained_steps']:8d} {r['chain_starts']:7d}")
+              f"{r['wall_s']:8.3f} {r['gpu_kernel_s']:12.3f} {r['kernels']:8d} "
+              f"{r['chained_steps']:8d} {r['chain_starts']:7d}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -31,11 +31,15 @@ take them (`eligible`): NGRAM drafting chains (no tree); no grammar, logprobs, p
 pending min_new_tokens or per-request seed (their sampling reads host state per row); no jump
 pending; not backing off after drafts rejected by unchained steps; room in the context for two
 steps of k + 1 tokens. Chained steps never back off themselves (a rejected or missing lookup
-costs a step of about a plain step's time, and backing off would end the chain). LoRA adapters are fine (rows are grouped by adapter as in any decode step). The
-attention backend must read each row's length from the device (`device_lengths`: Triton; the
-torch backend on the CPU, where lengths read back for free). Anything else ends the chain: the
-step in flight is read first, and the plain verification step of `Speculator` (or a decode
-step) runs.
+costs a step of about a plain step's time, and backing off would end the chain). LoRA adapters
+are fine (rows are grouped by adapter as in any decode step). The attention backend must read
+each row's length from the device (`device_lengths`: Triton; the torch backend on the CPU,
+where lengths read back for free). Anything else ends the chain: the step in flight is read
+first, and the plain verification step of `Speculator` (or a decode step) runs.
+
+On a GPU with decode graphs, a chain of greedy requests at one rank without LoRA launches its
+steps as CUDA graphs around the decode graph (`spec_chain_graph.ChainGraphs`): a few replays
+per step instead of some eighty launches; other chains run the same work op by op (`_eager`).
 """
 
 from __future__ import annotations
