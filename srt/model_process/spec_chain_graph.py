@@ -154,12 +154,17 @@ class ChainGraphs:
         self.packed[:B, R + 1].copy_(self.found[:B])
 
     def _capture(self, body, *args) -> torch.cuda.CUDAGraph:  # type: ignore[no-untyped-def]
+        # capture_begin / capture_end rather than `torch.cuda.graph`, whose entry synchronizes
+        # the device and empties the allocator's caches: this runs while serving
         g = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(self.hist.device)
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.graph(g, pool=self.pool, stream=stream,
-                              capture_error_mode="thread_local"):
-            body(*args)
+        with torch.cuda.stream(stream):
+            g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                body(*args)
+            finally:
+                g.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
         self.captures += 1
         return g
