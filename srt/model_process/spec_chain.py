@@ -55,7 +55,7 @@ from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.sampler import verify_sample
 from srt.model_process.req import Req, ReqStatus
 from srt.model_process.sampling_info import SamplingRows, build_sampling_info
-from srt.model_process.spec_chain_graph import ChainGraphs, lookup, width_for
+from srt.model_process.spec_chain_graph import ChainGraphs, step_inputs, step_outputs, width_for
 from srt.model_process.step_inputs import StagedCopier
 
 if TYPE_CHECKING:
@@ -165,15 +165,11 @@ class SpecChain:
         assert self.hist is not None and self.dlen is not None
         rows, out_loc = self.copier.copy([rows_h, slots.numpy()])
         lens = self.dlen[:B].clone()
-        hist = self.hist[:B, :width]
-        drafts, found = lookup(hist, lens, k, self.min_n, self.max_n)
-        root = hist.gather(1, (lens - 1).unsqueeze(1)).to(torch.int64)
-        input_ids = torch.cat([root, drafts], dim=1).view(-1)
-        positions = ((lens - 1).unsqueeze(1) + torch.arange(R, device=self.dev)).view(-1)
+        input_ids, positions, req_idx, drafts, found = step_inputs(
+            self.hist[:B, :width], lens, rows, k, self.min_n, self.max_n)
         seq_lens = positions + 1
-        req_idx = rows.repeat_interleave(R)
         req_pool = p.kv.req_pool
-        req_pool.req_to_token[req_idx, positions] = out_loc.to(torch.int32)
+        req_pool.req_to_token[req_idx, positions] = out_loc.to(req_pool.req_to_token.dtype)
         if self.dev.type == "cpu":
             seq_cpu = seq_lens.tolist()
         else:
@@ -195,14 +191,8 @@ class SpecChain:
                                                  device=self.dev)], dim=1).view(-1)
         out = verify_sample(logits, info, children, self.runner.sampler_generator)
         out = parallel_state.broadcast_from_first(out).view(B, R)
-        accepted = (out[:, :k] == drafts).to(torch.int64).cumprod(1).sum(1)
-        # the device's copy of the tokens: every row's output after the root (those past the
-        # accepted ones are overwritten later), the length past the kept ones
-        self.hist[:B].scatter_(1, lens.unsqueeze(1) + torch.arange(R, device=self.dev),
-                               out.to(torch.int32))
-        self.dlen[:B] = lens + accepted + 1
-        p.executor.last_ids.index_copy_(0, rows, out.gather(1, accepted.unsqueeze(1)).view(-1))
-        return torch.cat([out, accepted.unsqueeze(1), found.to(torch.int64).unsqueeze(1)], 1)
+        return step_outputs(out, lens, drafts, found, rows, self.hist, self.dlen,
+                            p.executor.last_ids)
 
     @torch.inference_mode()
     def launch(self, reqs: list[Req], slots: torch.Tensor, sync: bool) -> ChainStep:

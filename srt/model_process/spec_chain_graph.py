@@ -77,6 +77,38 @@ def width_for(tokens: int, limit: int) -> int:
     return min(w, limit)
 
 
+def step_inputs(hist: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor, k: int, min_n: int,
+                max_n: int) -> tuple[torch.Tensor, ...]:
+    """A chained step's rows from the device tokens (`hist` [B, W], `lens` [B]) and the
+    requests' rows of req_to_token (`rows` [B]): (input_ids, positions, req_idx) [B * (k + 1)]
+    each, request by request, the root first; drafts [B, k]; found [B]."""
+    B, R = hist.shape[0], k + 1
+    drafts, found = lookup(hist, lens, k, min_n, max_n)
+    root = hist.gather(1, (lens - 1).unsqueeze(1)).to(torch.int64)
+    input_ids = torch.cat([root, drafts], dim=1).view(-1)
+    positions = ((lens - 1).unsqueeze(1)
+                 + torch.arange(R, device=lens.device).unsqueeze(0)).view(-1)
+    req_idx = rows.unsqueeze(1).expand(B, R).reshape(-1)
+    return input_ids, positions, req_idx, drafts, found
+
+
+def step_outputs(out: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor,
+                 found: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
+                 dlen: torch.Tensor, last_ids: torch.Tensor) -> torch.Tensor:
+    """Book a chained step whose rows emitted `out` [B, k + 1] on the device: the accepted
+    count (the leading drafts equal to the emitted tokens), every row's output into `hist`
+    after the root (those past the accepted ones are overwritten later), `dlen` past the kept
+    ones, the last kept token into `last_ids[rows]`. Returns the result for the host [B, k + 3]:
+    the emitted ids, the accepted count, found."""
+    B, R = out.shape
+    accepted = (out[:, : R - 1] == drafts).to(torch.int64).cumprod(1).sum(1)
+    cols = lens.unsqueeze(1) + torch.arange(R, device=lens.device).unsqueeze(0)
+    hist[:B].scatter_(1, cols, out.to(hist.dtype))
+    dlen[:B].copy_(lens + accepted + 1)
+    last_ids.index_copy_(0, rows, out.gather(1, accepted.unsqueeze(1)).view(-1))
+    return torch.cat([out, accepted.unsqueeze(1), found.to(torch.int64).unsqueeze(1)], 1)
+
+
 class ChainGraphs:
     def __init__(self, hist: torch.Tensor, dlen: torch.Tensor, last_ids: torch.Tensor,
                  req_to_token: torch.Tensor, gr: CudaGraphRunner, k: int, min_n: int,
@@ -111,22 +143,17 @@ class ChainGraphs:
     # ---------------------------------------------------------------- the graphs' bodies
 
     def _pre_body(self, B: int, W: int) -> None:
-        R, gr = self.R, self.gr
-        n = B * R
+        gr = self.gr
+        n = B * self.R
         pbs = self.padded(B)
-        rows = self.inp[:B]
         loc = self.inp[self.slot_at: self.slot_at + n]
         lens = self.dlen[:B]
         self.lens[:B].copy_(lens)
-        hist = self.hist[:B, :W]
-        drafts, found = lookup(hist, lens, self.k, self.min_n, self.max_n)
+        input_ids, positions, req_idx, drafts, found = step_inputs(
+            self.hist[:B, :W], lens, self.inp[:B], self.k, self.min_n, self.max_n)
         self.drafts[:B].copy_(drafts)
         self.found[:B].copy_(found)
-        root = hist.gather(1, (lens - 1).unsqueeze(1)).to(torch.int64)
-        positions = ((lens - 1).unsqueeze(1)
-                     + torch.arange(R, device=lens.device).unsqueeze(0)).view(-1)
-        req_idx = rows.unsqueeze(1).expand(B, R).reshape(-1)
-        gr.input_ids[:n].copy_(torch.cat([root, drafts], dim=1).view(-1))
+        gr.input_ids[:n].copy_(input_ids)
         gr.positions[:n].copy_(positions)
         gr.seq_lens[:n].copy_(positions + 1)
         gr.req_pool_indices[:n].copy_(req_idx)
@@ -140,18 +167,10 @@ class ChainGraphs:
         self.req_to_token[req_idx, positions] = loc.to(self.req_to_token.dtype)
 
     def _post_body(self, B: int) -> None:
-        R, k = self.R, self.k
-        logits = self.gr.outputs[self.padded(B)][: B * R]
-        out = logits.argmax(dim=-1).view(B, R)
-        lens = self.lens[:B]
-        accepted = (out[:, :k] == self.drafts[:B]).to(torch.int64).cumprod(1).sum(1)
-        cols = lens.unsqueeze(1) + torch.arange(R, device=lens.device).unsqueeze(0)
-        self.hist[:B].scatter_(1, cols, out.to(self.hist.dtype))
-        self.dlen[:B].copy_(lens + accepted + 1)
-        self.last_ids.index_copy_(0, self.inp[:B], out.gather(1, accepted.unsqueeze(1)).view(-1))
-        self.packed[:B, :R].copy_(out)
-        self.packed[:B, R].copy_(accepted)
-        self.packed[:B, R + 1].copy_(self.found[:B])
+        logits = self.gr.outputs[self.padded(B)][: B * self.R]
+        out = logits.argmax(dim=-1).view(B, self.R)
+        self.packed[:B].copy_(step_outputs(out, self.lens[:B], self.drafts[:B], self.found[:B],
+                                           self.inp[:B], self.hist, self.dlen, self.last_ids))
 
     def _capture(self, body, *args) -> torch.cuda.CUDAGraph:  # type: ignore[no-untyped-def]
         # capture_begin / capture_end rather than `torch.cuda.graph`, whose entry synchronizes
