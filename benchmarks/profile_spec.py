@@ -37,7 +37,7 @@ def run(mode: str, a: Any, prompts: list[list[int]]) -> dict[str, Any]:
 
     kw: dict[str, Any] = {}
     if mode != "off":
-        kw = dict(speculative_algorithm="NGRAM", speculative_chain=mode == "chain")
+        kw = dict(speculative_algorithm="NGRAM", speculative_chain="on" if mode == "chain" else "off")
     p = ModelProcess(ServerArgs(model_path=a.model_path, tokenizer_path=a.model_path,
                                 device=a.device, dtype=a.dtype, random_seed=0, **kw), 0)
     cuda = p.runner.device.type == "cuda"

@@ -213,7 +213,7 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
         "path probability), verified in one step. Default 1 (a chain).")
     speculative_num_draft_tokens: int | None = _f(
         None, "Tokens verified per step and request, the last accepted one included (so at "
-        "most this minus one draft tokens). Default: 5 for NGRAM, --speculative-num-steps + 1 "
+        "most this minus one draft tokens). Default: 8 for NGRAM, --speculative-num-steps + 1 "
         "for the draft models with top-k 1, steps x top-k + 1 (at most 64) for a tree.")
     speculative_accept_threshold_single: float = _f(
         1.0, "SGLang's relaxed acceptance of a draft token; only 1.0 (exact: the output "
@@ -229,11 +229,13 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
     speculative_disable_by_batch_size: int = _f(
         32, "Decode without drafts while this many requests or more run (verifying drafts "
         "costs throughput once a step is no longer bound by reading the weights).")
-    speculative_chain: bool = _f(
-        False, "NGRAM: chain the verification steps of eligible batches on the device, each "
+    speculative_chain: str = _f(
+        "auto", "NGRAM: chain the verification steps of eligible batches on the device, each "
         "launched before the host reads the one before (drafts, positions and acceptance "
-        "computed there), so the host's work overlaps the device's. Off: each verification "
-        "step waits for the host. Equal outputs; on SmolLM2-135M on one H100 no faster yet.")
+        "computed there; greedy chains as CUDA graphs), so the host's work overlaps the "
+        "device's. auto: on where decode CUDA graphs are captured (a GPU), off on the CPU; "
+        "off: each verification step waits for the host. Outputs are the same either way.",
+        ("auto", "on", "off"))
     skip_warmup: bool = _f(False, "Report ready without first serving two small warm-up "
                            "requests (they compile the fill kernels at start-up instead of in "
                            "the first users' requests).")

@@ -31,7 +31,7 @@ class SpeculativeArgs:
             return (self.speculative_num_draft_tokens or min(64, steps * topk + 1)) - 1
         if self.speculative_num_steps is not None:
             return self.speculative_num_steps
-        default = 5 if self.speculative_algorithm == "NGRAM" else 4
+        default = 8 if self.speculative_algorithm == "NGRAM" else 4
         return (self.speculative_num_draft_tokens or default) - 1
 
     @property

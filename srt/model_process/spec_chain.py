@@ -26,7 +26,8 @@ drafts and the token after them, fewer where it finishes), keeps the KV of their
 the rest (page size 1: one slot per position), and books the step (`Speculator.note`). A request
 that finished has the step launched after that one dropped (its slots freed when it is read).
 
-Chains run with `--speculative-chain` and the overlapped loop, while every running request can
+Chains run with `--speculative-chain` (auto: on a GPU with decode graphs) and the overlapped
+loop, while every running request can
 take them (`eligible`): NGRAM drafting chains (no tree); no grammar, logprobs, penalties,
 pending min_new_tokens or per-request seed (their sampling reads host state per row); no jump
 pending; not backing off after drafts rejected by unchained steps; room in the context for two
@@ -107,12 +108,15 @@ class SpecChain:
 
     @staticmethod
     def possible(p: ModelProcess) -> bool:
-        """Whether this server can chain at all (NGRAM chains, a backend that reads lengths
-        from the device, or the CPU)."""
+        """Whether this server chains at all: NGRAM drafting chains, `--speculative-chain` on
+        (auto: where decode CUDA graphs are captured), the overlapped loop, and a backend that
+        reads lengths from the device (or the CPU)."""
         args = p.args
         backend = p.runner.attn_backend
+        mode = args.speculative_chain
+        wanted = mode == "on" or (mode == "auto" and p.runner.graph_runner is not None)
         return (args.speculative_algorithm == "NGRAM" and p.spec is not None and p.overlap
-                and args.speculative_chain
+                and wanted
                 and p.spec.breadth == 1 and args.speculative_draft_tokens >= 1
                 and (p.runner.device.type == "cpu" or getattr(backend, "device_lengths", False)))
 

@@ -20,7 +20,7 @@ from tests.model_process import cpu_model_server, kv_is_free
 from tests.overlap_cases import assert_same, serve
 from tests.unit.test_speculative import COPY, _chat, _greedy_only
 
-SPEC = {"speculative_algorithm": "NGRAM", "speculative_chain": True}
+SPEC = {"speculative_algorithm": "NGRAM", "speculative_chain": "on"}
 
 
 @pytest.mark.parametrize("min_n,max_n,k,pad", [(1, 12, 4, 5), (2, 4, 4, 5), (1, 3, 7, 5),
@@ -108,7 +108,10 @@ def test_chained_steps_equal_decoding_without_drafts(llama_dir: str) -> None:
     assert kv_is_free(spec)
     # without the overlapped loop nothing chains (a chain is an overlap)
     assert cpu_model_server(llama_dir, disable_overlap_schedule=True, **SPEC).chain is None
-    assert cpu_model_server(llama_dir, speculative_algorithm="NGRAM").chain is None  # (opt-in)
+    # auto (the default) chains only where decode graphs are captured: not on the CPU
+    assert cpu_model_server(llama_dir, speculative_algorithm="NGRAM").chain is None
+    assert cpu_model_server(llama_dir, speculative_algorithm="NGRAM",
+                            speculative_chain="off").chain is None
 
 
 def test_smollm2_copy_prompt_chains(smollm2_dir: str, smollm2_tokenizer: Any) -> None:
