@@ -233,7 +233,8 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
         "auto", "NGRAM: chain the verification steps of eligible batches on the device, each "
         "launched before the host reads the one before (drafts, positions and acceptance "
         "computed there; greedy chains as CUDA graphs), so the host's work overlaps the "
-        "device's. auto: on where decode CUDA graphs are captured (a GPU), off on the CPU; "
+        "device's. auto: on where greedy chains run as CUDA graphs (decode graphs captured, "
+        "one rank, no LoRA), so off on the CPU; "
         "off: each verification step waits for the host. Outputs are the same either way.",
         ("auto", "on", "off"))
     skip_warmup: bool = _f(False, "Report ready without first serving two small warm-up "

@@ -109,12 +109,14 @@ class SpecChain:
     @staticmethod
     def possible(p: ModelProcess) -> bool:
         """Whether this server chains at all: NGRAM drafting chains, `--speculative-chain` on
-        (auto: where decode CUDA graphs are captured), the overlapped loop, and a backend that
-        reads lengths from the device (or the CPU)."""
+        (auto: where greedy chains run as CUDA graphs: decode graphs captured, one rank, no
+        LoRA), the overlapped loop, and a backend that reads lengths from the device (or the
+        CPU)."""
         args = p.args
         backend = p.runner.attn_backend
         mode = args.speculative_chain
-        wanted = mode == "on" or (mode == "auto" and p.runner.graph_runner is not None)
+        wanted = mode == "on" or (mode == "auto" and p.runner.graph_runner is not None
+                                  and parallel_state.tp_size() == 1 and p.runner.lora is None)
         return (args.speculative_algorithm == "NGRAM" and p.spec is not None and p.overlap
                 and wanted
                 and p.spec.breadth == 1 and args.speculative_draft_tokens >= 1
