@@ -45,6 +45,7 @@ per step instead of some eighty launches; other chains run the same work op by o
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,12 +57,15 @@ from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.sampler import verify_sample
 from srt.model_process.req import Req, ReqStatus
 from srt.model_process.sampling_info import SamplingRows, build_sampling_info
-from srt.model_process.spec_chain_graph import ChainGraphs, step_inputs, step_outputs, width_for
+from srt.model_process.spec_chain_graph import (CaptureFailed, ChainGraphs, step_inputs,
+                                                 step_outputs, width_for)
 from srt.model_process.step_inputs import StagedCopier
 
 if TYPE_CHECKING:
     from srt.managers.io_struct import TokenOut
     from srt.model_process.loop import ModelProcess
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -200,6 +204,22 @@ class SpecChain:
         return step_outputs(out, lens, drafts, found, rows, self.hist, self.dlen,
                             p.executor.last_ids)
 
+    def _graphed(self, g: ChainGraphs, B: int, rows_h: np.ndarray, slots: torch.Tensor,
+                 longest: int, bound: list[int]) -> torch.Tensor:
+        """The step's device work as three graph replays; the packed result."""
+        R = self.k + 1
+        assert self.hist is not None
+        host_in = np.zeros(g.slot_at + B * R, dtype=np.int64)
+        host_in[:B] = rows_h
+        host_in[g.slot_at:] = slots.numpy()
+        pbs = g.run_pre(B, width_for(longest, self.hist.shape[1]),
+                        self.copier.copy([host_in])[0])
+        seq_cpu = np.repeat(bound, R).tolist() + [1] * (pbs - B * R)
+        self.runner.graph_runner.replay_static(pbs, seq_cpu)
+        packed = g.run_post(B)
+        self.graphed += 1
+        return packed
+
     @torch.inference_mode()
     def launch(self, reqs: list[Req], slots: torch.Tensor, sync: bool) -> ChainStep:
         """Launch a chained verification step of `reqs` (k + 1 of `slots` each). `sync`: no
@@ -217,17 +237,18 @@ class SpecChain:
         # (an upper bound of each row's length: the Triton backend reads them from the device)
         bound = [len(r.origin_input_ids) + len(r.output_ids) + 2 * R for r in reqs]
         g = self.graphs
+        packed = None
         if g is not None and self.greedy and g.fits(B):
-            host_in = np.zeros(g.slot_at + B * R, dtype=np.int64)
-            host_in[:B] = rows_h
-            host_in[g.slot_at:] = slots.numpy()
-            pbs = g.run_pre(B, width_for(longest, self.hist.shape[1]),
-                            self.copier.copy([host_in])[0])
-            seq_cpu = np.repeat(bound, R).tolist() + [1] * (pbs - B * R)
-            self.runner.graph_runner.replay_static(pbs, seq_cpu)
-            packed = g.run_post(B)
-            self.graphed += 1
-        else:
+            try:
+                packed = self._graphed(g, B, rows_h, slots, longest, bound)
+            except CaptureFailed as e:
+                # (a capture records without running: the device holds the state before this
+                # step's acceptance, which the eager path then computes in full)
+                logger.warning("chained steps run op by op from now on: a CUDA graph capture "
+                               "failed (%s)", e)
+                self.graphs = None
+                self.graphable = False
+        if packed is None:
             packed = self._eager(reqs, rows_h, slots, min(self.context, longest), bound)
         done = None
         host = packed

@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 MIN_WIDTH = 256
 
 
+class CaptureFailed(RuntimeError):
+    """A chain graph could not be captured (nothing ran; the caller runs the step eagerly)."""
+
+
 def lookup(hist: torch.Tensor, lens: torch.Tensor, k: int, min_n: int,
            max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """NGRAM drafts on the device: `hist` [B, W] each request's tokens (the first lens[b] of
@@ -178,13 +182,17 @@ class ChainGraphs:
         g = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(self.hist.device)
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
-                body(*args)
-            finally:
-                g.capture_end()
-        torch.cuda.current_stream().wait_stream(stream)
+        try:
+            with torch.cuda.stream(stream):
+                g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    body(*args)
+                finally:
+                    g.capture_end()
+        except RuntimeError as e:  # (recording runs nothing: no state has changed)
+            raise CaptureFailed(str(e)) from e
+        finally:
+            torch.cuda.current_stream().wait_stream(stream)
         self.captures += 1
         return g
 
