@@ -26,9 +26,9 @@ drafts and the token after them, fewer where it finishes), keeps the KV of their
 the rest (page size 1: one slot per position), and books the step (`Speculator.note`). A request
 that finished has the step launched after that one dropped (its slots freed when it is read).
 
-Chains run with `--speculative-chain` (auto: on a GPU with decode graphs) and the overlapped
-loop, while every running request can
-take them (`eligible`): NGRAM drafting chains (no tree); no grammar, logprobs, penalties,
+Chains run with `--speculative-chain` (auto: where greedy chains run as graphs: decode graphs
+captured, one rank, no LoRA) and the overlapped loop, while every running request can take
+them (`eligible`): NGRAM drafting chains (no tree); no grammar, logprobs, penalties,
 pending min_new_tokens or per-request seed (their sampling reads host state per row); no jump
 pending; not backing off after drafts rejected by unchained steps; room in the context for two
 steps of k + 1 tokens. Chained steps never back off themselves (a rejected or missing lookup
