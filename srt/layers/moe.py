@@ -24,6 +24,7 @@ from torch import nn
 
 from srt.layers import parallel_state as ps
 from srt.layers.fp8 import dequantize
+from srt.layers.fused import use_fused
 from srt.layers.linear import _divide
 
 
@@ -48,7 +49,12 @@ def route_topk(router_logits: torch.Tensor, top_k: int,
     """Softmax over all experts in float32, keep the top k, renormalize them to sum to 1
     (Mixtral, Qwen3-MoE's `norm_topk_prob`; without, their softmax probabilities: Qwen2-MoE).
 
-    Returns (weights [T, k] float32, expert ids [T, k] int64)."""
+    Returns (weights [T, k] float32, expert ids [T, k] int64). On a GPU one kernel
+    (srt/layers/moe_route_triton.py)."""
+    if use_fused(router_logits) and _triton_available():
+        from srt.layers.moe_route_triton import route_triton
+
+        return route_triton(router_logits, top_k, renormalize=renormalize)
     probs = router_logits.float().softmax(dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
     return (weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights), ids

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from srt.layers.fused_triton import silu_and_mul
 
 BLOCK_M = 16  # the default row block (pairs of one expert per program)
 
@@ -90,25 +91,84 @@ def _grouped_gemm_kernel(
              acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, cap,
+                  E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """Program e lays out expert e's run: its pairs in index order from the run's start, then
+    padding up to the run's padded end, and e as the expert of the run's blocks. Every program
+    counts every expert (a histogram of all ids) to find where its run starts; the last one
+    also pads from the end of the last run to `cap`."""
+    e = tl.program_id(0)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        # past the end: bin E, an extra bin no expert owns
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=E).to(tl.int32)
+        counts += tl.histogram(ids, E_PAD)
+    bins = tl.arange(0, E_PAD)
+    padded = tl.where(bins < E, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    ends = tl.cumsum(padded, 0)
+    run_start = tl.sum(tl.where(bins == e, ends - padded, 0))
+    run_count = tl.sum(tl.where(bins == e, counts, 0))
+    run_padded = tl.sum(tl.where(bins == e, padded, 0))
+    seen = 0
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=E).to(tl.int32)
+        mine = (ids == e).to(tl.int32)
+        rank = seen + tl.cumsum(mine, 0) - mine
+        tl.store(sorted_ptr + run_start + rank, offs, mask=mine > 0)
+        seen += tl.sum(mine)
+    lane = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + run_start + run_count + lane, num_pairs,
+             mask=lane < run_padded - run_count)
+    block_lane = tl.arange(0, CHUNK)
+    for b in range(0, run_padded // BLOCK_M, CHUNK):
+        tl.store(block_expert_ptr + run_start // BLOCK_M + b + block_lane, e,
+                 mask=b + block_lane < run_padded // BLOCK_M)
+    if e == E - 1:
+        total = tl.sum(padded)
+        for p in range(total, cap, CHUNK):
+            tl.store(sorted_ptr + p + block_lane, num_pairs, mask=p + block_lane < cap)
+        for b in range(total // BLOCK_M, cap // BLOCK_M, CHUNK):
+            tl.store(block_expert_ptr + b + block_lane, E - 1,
+                     mask=b + block_lane < cap // BLOCK_M)
+
+
 def align_pairs_by_expert(
     topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [P], block_expert [P // block_m]) with P an upper bound fixed by the shapes.
 
-    sorted_pairs lists the flattened (token, choice) indices grouped by expert, each expert's run
-    padded to a multiple of block_m with `num_pairs` (an index past the end: masked)."""
+    sorted_pairs lists the flattened (token, choice) indices grouped by expert, in index order
+    within each expert, each expert's run padded to a multiple of block_m with `num_pairs` (an
+    index past the end: masked). One kernel launch (`_align_kernel`, one program an expert)."""
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     cap = num_pairs + num_experts * (block_m - 1)
     cap = (cap + block_m - 1) // block_m * block_m
-    # scatter_add rather than bincount, whose output size (and so a host sync) depends on the data
+    sorted_pairs = torch.empty(cap, dtype=torch.int64, device=flat.device)
+    block_expert = torch.empty(cap // block_m, dtype=torch.int64, device=flat.device)
+    _align_kernel[(num_experts,)](
+        flat, sorted_pairs, block_expert, num_pairs, cap, E=num_experts,
+        E_PAD=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, CHUNK=256)
+    return sorted_pairs, block_expert
+
+
+def align_pairs_by_expert_torch(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same layout from torch operations (about 25 launches): the kernel's reference."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    cap = num_pairs + num_experts * (block_m - 1)
+    cap = (cap + block_m - 1) // block_m * block_m
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
-    # narrow keys: a radix sort makes one pass per 8 bits or so of the key type (int64: 8)
-    keys = flat.to(torch.uint8 if num_experts <= 256 else torch.int32)
-    order = keys.argsort(stable=True)
+    order = flat.argsort(stable=True)
     experts_sorted = flat[order]
     rank_in_expert = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[
         experts_sorted]
@@ -160,8 +220,7 @@ def fused_moe_triton(
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, weights, sorted_pairs, block_expert, top_k, False, cfg,
                   w13_scale)
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = (F.silu(gate) * up).contiguous()
+    act = silu_and_mul(gate_up)
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, down, weights, sorted_pairs, block_expert, 1, True, cfg, w2_scale)
     result = down.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.layers.embedding import VocabParallelEmbedding
+from srt.layers.fused import use_fused
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import ColumnParallelLinear, RowParallelLinear
 from srt.layers.moe import FusedMoE, ReplicatedLinear
@@ -83,17 +84,27 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
             q = self.q_proj(x)
-        q_nope, q_pe = q.view(t, n, self.nope + self.rope).split([self.nope, self.rope], -1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
-        c = self.kv_a_layernorm(c.contiguous())
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
+        q = q.view(t, n, self.nope + self.rope)
+        q_nope, q_pe = q.split([self.nope, self.rope], -1)
+        kv = self.kv_a_proj_with_mqa(x)
         # the heads' up-projections: [heads, nope + v, rank] -> W_UK [heads, nope, rank],
         # W_UV [heads, v, rank]
         w = self.kv_b_proj.weight.view(n, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
-        query = torch.cat((q_lat, q_pe), dim=-1)
-        latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [T, 1, rank + rope]
+        if use_fused(x) and self.rope & (self.rope - 1) == 0:  # the norm, rotary, concatenations
+            from srt.layers.mla_triton import mla_prep
+
+            query, latent = mla_prep(q, q_lat, kv, self.kv_a_layernorm.weight,
+                                     self.kv_a_layernorm.eps, positions,
+                                     self.rotary_emb.cos_cache, self.rotary_emb.sin_cache,
+                                     self.nope, self.rotary_emb.interleaved)
+        else:
+            c, k_pe = kv.split([self.rank, self.rope], dim=-1)
+            c = self.kv_a_layernorm(c.contiguous())
+            q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
+            query = torch.cat((q_lat, q_pe), dim=-1)
+            latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [T, 1, rank + rope]
         o = self.attn(query, latent, latent).view(t, n, self.rank + self.rope)
         out = torch.einsum("thr,hvr->thv", o[..., : self.rank], w_uv)
         return self.o_proj(out.reshape(t, n * self.v_dim))
@@ -130,6 +141,16 @@ class DeepseekMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k])."""
         logits = F.linear(x.float(), self.gate.weight)
+        if use_fused(logits):  # the torch code below in one kernel
+            from srt.layers.moe_route_triton import route_triton
+
+            grouped = self.v3 or self.method == "group_limited_greedy"
+            return route_triton(
+                logits, self.top_k, sigmoid=self.v3,
+                bias=self.gate.e_score_correction_bias if self.v3 else None,
+                renormalize=self.norm, eps=1e-20, scale=self.scale,
+                groups=self.groups if grouped else 1,
+                topk_group=self.topk_group if grouped else 1, group_top2=self.v3)
         if self.v3:
             return self._route_v3(logits.sigmoid())
         scores = logits.softmax(dim=-1)

@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 
 from srt.layers.moe import moe_forward_torch, route_topk  # noqa: E402
 from srt.layers.moe_triton import (  # noqa: E402
-    TileConfig, align_pairs_by_expert, fused_moe_triton, tile_config)
+    TileConfig, align_pairs_by_expert, align_pairs_by_expert_torch, fused_moe_triton, tile_config)
 
 
 def _case(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
@@ -53,6 +53,29 @@ def test_align_pairs_by_expert() -> None:
     assert sorted_pairs.tolist()[:10] == [1, 4, 7, pad, 3, pad, 0, 2, 5, 6]
     assert all(p == pad for p in sorted_pairs.tolist()[10:])
     assert block_expert.tolist()[:5] == [0, 0, 1, 2, 2]
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [
+    (1, 2, 8, 16), (3, 6, 64, 16), (128, 6, 64, 16), (77, 8, 128, 32), (300, 2, 5, 128),
+    (50, 4, 160, 16),
+])
+def test_align_kernel_equals_torch_layout(tokens: int, top_k: int, experts: int,
+                                          block_m: int) -> None:
+    """The one-launch layout equals the torch one exactly (stable order within an expert),
+    with some experts unused, expert counts not a power of two, and more pairs than one chunk;
+    skewed ids put most pairs on a few experts."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(tokens * experts)
+    for skew in (False, True):
+        if skew:
+            ids = (torch.rand(tokens, top_k, generator=g) ** 4 * experts).long()
+        else:
+            ids = torch.randint(0, experts, (tokens, top_k), generator=g)
+        ids = ids.to(device)
+        got = align_pairs_by_expert(ids, experts, block_m)
+        want = align_pairs_by_expert_torch(ids, experts, block_m)
+        assert torch.equal(got[0], want[0])
+        assert torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [
