@@ -21,6 +21,8 @@
 #                   (bench_quant_gemm.py; QG_ARGS, e.g. "--sweep")
 #   VLLM="..."      shapes to run vLLM on (needs all three parts copied; installs once)
 #   VLLM_ARGS="..." extra flags of vllm_bench.py, e.g. "--quantization fp8 --kv-cache-dtype fp8"
+#   VLLM_EXTRA_ENV="K=V ..." extra environment of the vLLM runs, e.g.
+#                   VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random (experts drawn at random)
 #   VLLM_LONG="..." shapes to run vLLM's --long mode on (W3, T30, D30; same install)
 #   TAG=a           suffix of the result files (runs A and B of one sitting)
 # Wheels srt needs that the machine lacks travel in .whl (installed to /tmp/site): for Python
@@ -104,7 +106,7 @@ done
 if [ -n "${VLLM:-}${VLLM_LONG:-}" ]; then
   source /tmp/vllm-parts/install_vllm.sh || { echo "!! vLLM install failed"; exit 1; }
   for shape in ${VLLM:-}; do
-    run "vllm_${shape}_$TAG" 300 env $VLLM_ENV python3 /tmp/vllm-parts/vllm_bench.py "$shape" \
+    run "vllm_${shape}_$TAG" 300 env $VLLM_ENV ${VLLM_EXTRA_ENV:-} python3 /tmp/vllm-parts/vllm_bench.py "$shape" \
       ${VLLM_ARGS:-} --out "$OUT/vllm_${shape}_$TAG.json"
   done
   for shape in ${VLLM_LONG:-}; do
