@@ -585,14 +585,17 @@ def test_wide_heads_of_latent_attention(mode: str) -> None:
     assert err < TOL[dtype], err
 
 
-@pytest.mark.parametrize("d,v,shared", [(48, 32, 0), (48, 32, 9), (576, 512, 0)])
-def test_decode_latent_values(d: int, v: int, shared: int) -> None:
+@pytest.mark.parametrize("d,v,shared,splits", [(48, 32, 0, 3), (48, 32, 9, 3), (576, 512, 0, 3),
+                                                (576, 512, 0, 40)])
+def test_decode_latent_values(d: int, v: int, shared: int, splits: int) -> None:
     """Multi-head latent attention's decode (`v_head_dim`): the values are the keys' first v
     channels of one buffer (a poisoned v_buffer is not read), 16 query heads on one KV head;
     the output's first v channels are attention with V = K[..., :v], the rest zero (o poisoned
-    before); with a shared prefix its stage reads the latent the same way."""
+    before); with a shared prefix its stage reads the latent the same way. 40 splits of
+    sequences up to 1,100 tokens: stage 2 merges 512-wide splits 16 at a time (three chunks
+    with data, rescaled as the maximum grows)."""
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    lens = [1, 37, 70] if not shared else [12, 30, 21]
+    lens = ([1, 37, 70] if splits < 16 else [1, 700, 1100]) if not shared else [12, 30, 21]
     g = torch.Generator().manual_seed(d + shared)
     pool = make_pool(lens, lens, 1, d, dtype, g)
     rows = pool.rows.tolist()
@@ -604,7 +607,7 @@ def test_decode_latent_values(d: int, v: int, shared: int) -> None:
     poisoned = torch.full_like(pool.v_buffer, NAN)
     scale = d ** -0.5
     decode_attention_fwd(q, pool.k_buffer, poisoned, o, pool.req_to_token, pool.rows, ivec(lens),
-                         scale, 3, shared_len=shared, shared_splits=2 if shared else 0,
+                         scale, splits, shared_len=shared, shared_splits=2 if shared else 0,
                          v_head_dim=v)
     want = torch.cat([reference(q[i:i + 1], pool.ctx_k[i], pool.ctx_k[i][..., :v], n - 1,
                                 scale) for i, n in enumerate(lens)])
