@@ -45,7 +45,8 @@ def _check(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype
 
 
 def test_align_pairs_by_expert() -> None:
-    ids = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 0]])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 0]], device=device)
     sorted_pairs, block_expert = align_pairs_by_expert(ids, 4, block_m=2)
     pad = ids.numel()
     # flattened [2, 0, 2, 1, 0, 2, 2, 0]: expert 0 has pairs 1, 4, 7 (+1 pad), expert 1 pair 3
