@@ -163,6 +163,20 @@ def test_unknown_rope_type_is_rejected() -> None:
         RotaryEmbedding(16, 32, 10000.0, {"rope_type": "yarn", "factor": 2.0})
 
 
+def test_rotary_caches_are_shared_by_equal_settings() -> None:
+    """Layers of equal rotary settings hold one cos / sin cache (a cache a layer cost Qwen3-MoE
+    2 GB of the KV pool); other settings get their own."""
+    a = RotaryEmbedding(16, 64, 10000.0)
+    b = RotaryEmbedding(16, 64, 10000.0)
+    assert a.cos_cache.data_ptr() == b.cos_cache.data_ptr()
+    assert a.sin_cache.data_ptr() == b.sin_cache.data_ptr()
+    for other in (RotaryEmbedding(16, 64, 500000.0), RotaryEmbedding(16, 64, 10000.0,
+                                                                     interleaved=True),
+                  RotaryEmbedding(16, 64, 10000.0, {"rope_type": "linear", "factor": 2.0})):
+        assert other.cos_cache.data_ptr() != a.cos_cache.data_ptr()
+        assert not torch.equal(other.cos_cache, a.cos_cache)
+
+
 def test_yarn_equals_transformers() -> None:
     """YaRN's inverse frequencies and cos / sin factor (DeepSeek's mscale / mscale_all_dim)
     equal transformers' for DeepSeek-V2's parameters."""
