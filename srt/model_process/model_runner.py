@@ -346,6 +346,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * frac - (total - free)
+            gib = 1 << 30
+            logger.info("KV pool budget %.2f GiB: %.2f GiB x %.2f less %.2f GiB in use (tensors "
+                        "%.2f GiB, weights %.2f GiB; the rest the CUDA context and libraries)",
+                        budget / gib, total / gib, frac, (total - free) / gib,
+                        torch.cuda.memory_allocated(self.device) / gib, self.weight_bytes / gib)
         else:
             budget = min(frac * _mem_available(),
                          _CPU_DEFAULT_MAX_TOKENS * model_dtype_bytes_per_token)
