@@ -4,7 +4,7 @@ Tensor parallelism shards every expert like the dense MLP: each rank holds a sli
 intermediate dimension (w1/w3 column-parallel, w2 row-parallel), computes its partial output for
 the tokens routed to each expert, and the partial outputs are all-reduced once per layer. With
 expert parallelism (`--ep-size` = `--tp-size`) each rank holds E / tp experts whole and computes
-the tokens routed to them (the rest weigh 0 on its first expert); the same all-reduce sums the
+the tokens routed to them (the other choices are dropped); the same all-reduce sums the
 ranks' experts. Every rank has every token (attention is tensor-parallel), so no dispatch is
 needed. Routing is
 computed identically on every rank from the replicated router weights. On a GPU the experts run in
@@ -72,7 +72,8 @@ def moe_forward_torch(
     """The plain torch path (CPU, and the reference of the fused kernel).
 
     x: [T, H]; w13: [E, 2 * I, H] (gate rows then up rows); w2: [E, H, I];
-    topk_weights, topk_ids: [T, k]. Returns sum_j weight_j * expert_{id_j}(x) as [T, H].
+    topk_weights, topk_ids: [T, k]; an id of E (another rank's expert under expert
+    parallelism) drops that choice. Returns sum_j weight_j * expert_{id_j}(x) as [T, H].
     FP8 experts: w13 / w2 in float8_e4m3fn with per-row scales w13_scale [E, 2 * I] and
     w2_scale [E, H]; each expert used is dequantized (q * scale, in x's dtype)."""
     num_tokens, top_k = topk_ids.shape
@@ -82,7 +83,7 @@ def moe_forward_torch(
     tokens = order // top_k
     weights = topk_weights.reshape(-1)[order].to(x.dtype)
     # One host sync per layer to learn the run lengths; the GPU path does not need it.
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()[: w13.shape[0]]
     out = torch.zeros_like(x)
     start = 0
     for e, n in enumerate(counts):
@@ -210,11 +211,11 @@ class FusedMoE(nn.Module):
         """sum_j weights[:, j] * expert_{ids[:, j]}(x), all-reduced over the ranks; weights
         and ids [T, k] as a router chose them."""
         if self.ep:
-            # this rank's experts only: the others' choices weigh 0 (on local expert 0); the
-            # all-reduce below sums every rank's experts
+            # this rank's experts only: the others' choices are dropped (id `local`: computed
+            # by no kernel); the all-reduce below sums every rank's experts
             ids = ids - self.first
             mine = (ids >= 0) & (ids < self.local)
-            ids, weights = torch.where(mine, ids, 0), torch.where(mine, weights, 0.0)
+            ids, weights = torch.where(mine, ids, self.local), torch.where(mine, weights, 0.0)
         if x.is_cuda and _triton_available() and (
                 x.shape[0] < TORCH_PATH_MIN_TOKENS or self.local > TORCH_PATH_MAX_EXPERTS
                 or torch.cuda.is_current_stream_capturing()):

@@ -143,7 +143,9 @@ def align_pairs_by_expert(
 
     sorted_pairs lists the flattened (token, choice) indices grouped by expert, in index order
     within each expert, each expert's run padded to a multiple of block_m with `num_pairs` (an
-    index past the end: masked). One kernel launch (`_align_kernel`, one program an expert)."""
+    index past the end: masked). Ids are in [0, num_experts]; a pair of id num_experts is in no
+    run (dropped: another rank's expert). One kernel launch (`_align_kernel`, one program an
+    expert)."""
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     cap = num_pairs + num_experts * (block_m - 1)
@@ -203,16 +205,19 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, weights: to
 
 
 @triton.jit
-def _moe_sum_kernel(down_ptr, out_ptr, hidden, K: tl.constexpr, BLOCK: tl.constexpr):
+def _moe_sum_kernel(down_ptr, ids_ptr, out_ptr, hidden, E: tl.constexpr, K: tl.constexpr,
+                    BLOCK: tl.constexpr):
     """out[t] = sum over the token's k choices of down[t * k + j], in float32, rounded once
-    (as torch's sum over that dimension; its reduction kernel takes 5 us for one token)."""
+    (as torch's sum over that dimension; its reduction kernel takes 5 us for one token); a
+    dropped choice (id E: its row was never computed) is not read."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(K):
-        acc += tl.load(down_ptr + (t * K + j) * hidden + cols, mask=mask, other=0.0).to(
-            tl.float32)
+        expert = tl.load(ids_ptr + t * K + j)
+        acc += tl.load(down_ptr + (t * K + j) * hidden + cols,
+                       mask=mask & (cols * 0 + expert < E), other=0.0).to(tl.float32)
     tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -222,7 +227,7 @@ def fused_moe_triton(
     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as srt.layers.moe.moe_forward_torch (FP8 experts with their scales
-    included); writes into `out` when given. `cfg` overrides the tile sizes `tile_config`
+    included; choices of id E dropped); writes into `out` when given. `cfg` overrides the tile sizes `tile_config`
     picks from the shapes."""
     num_tokens, top_k = topk_ids.shape
     hidden = x.shape[1]
@@ -243,7 +248,7 @@ def fused_moe_triton(
         result = out
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        down, result, hidden, K=top_k, BLOCK=block, num_warps=4)
+        down, topk_ids, result, hidden, E=w13.shape[0], K=top_k, BLOCK=block, num_warps=4)
     if out is not None and result is not out:
         out.copy_(result)
     return result if out is None else out

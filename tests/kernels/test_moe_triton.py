@@ -88,6 +88,27 @@ def test_fused_moe_matches_torch_small(tokens: int, experts: int, top_k: int, hi
     _check(tokens, experts, top_k, hidden, inter, torch.float32, device, tokens, 1e-3)
 
 
+@pytest.mark.parametrize("tokens", [1, 9, 40])
+def test_dropped_choices_are_not_computed(tokens: int) -> None:
+    """Expert parallelism hands the kernels another rank's choices as id E: they are in no
+    expert's run and not summed (their rows of the intermediate outputs stay unwritten), so
+    the result is the sum over the kept choices alone, as the torch path computes it."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w13, w2, weights, ids = _case(tokens, 4, 3, 32, 24, torch.float32, device, tokens)
+    g = torch.Generator().manual_seed(tokens)
+    drop = (torch.rand(ids.shape, generator=g) < 0.4).to(device)
+    ids = torch.where(drop, 4, ids)
+    weights = torch.where(drop, 0.0, weights)
+    ref = moe_forward_torch(x.double(), w13.double(), w2.double(), weights, ids)
+    kept = moe_forward_torch(x.double(), w13.double(), w2.double(), weights,
+                             torch.where(drop, 0, ids))  # the old way: weight 0 on expert 0
+    torch.testing.assert_close(ref, kept)
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w13, w2, weights, ids, out=out)
+    assert not out.isnan().any()
+    assert ((out.double() - ref).abs().max() / ref.abs().max()) < 1e-3
+
+
 @pytest.mark.parametrize("cfg", [TileConfig(16, 64, 128, 4, 4), TileConfig(32, 64, 64, 4, 4),
                                  TileConfig(128, 128, 64, 4, 3), TileConfig(128, 128, 64, 8, 3)])
 def test_fused_moe_every_tile_config(cfg: TileConfig) -> None:
