@@ -16,6 +16,7 @@ registers, the per-row scales applied to its products) and dequantized per exper
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -40,6 +41,7 @@ TORCH_PATH_MIN_TOKENS = 256
 TORCH_PATH_MAX_EXPERTS = 16
 
 
+@functools.cache  # asked every layer of every step: find_spec walks sys.path
 def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
