@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import io
+import logging
 import pstats
 import random
 import tempfile
@@ -51,6 +53,9 @@ def main() -> None:
                    help="N random LoRA adapters (write_lora_adapters), request k under adapter "
                    "k mod N")
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--memory", action="store_true",
+                   help="print where the device memory went after start-up: weights, KV pool, "
+                   "the largest other live tensors, the allocator's cache and the rest")
     p.add_argument("--warm-fills", type=int, default=0, metavar="N",
                    help="before the profiled fill, N one-token requests of other random "
                    "tokens run to the end (so the profiled fill is a warm one)")
@@ -68,6 +73,45 @@ def main() -> None:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         mp.spawn(run_rank, args=(a, model_dir, port), nprocs=a.tp_size)
+
+
+def memory_report(server) -> None:
+    """Device memory after start-up (pool sized, graphs captured): weights, KV pool, the other
+    live tensors grouped by shape and dtype (the largest first), the caching allocator's unused
+    blocks, and what no tensor explains (the CUDA context, libraries' workspaces)."""
+    if not torch.cuda.is_available():
+        return
+    gib = 1 << 30
+    free, total = torch.cuda.mem_get_info()
+    params = {p.data_ptr() for p in server.runner.model.parameters()}
+    weights = server.runner.weight_bytes
+    groups: dict[tuple, list[int]] = {}
+    seen: set[int] = set()
+    for obj in gc.get_objects():
+        try:
+            if not (isinstance(obj, torch.Tensor) and obj.is_cuda):
+                continue
+            ptr = obj.untyped_storage().data_ptr()
+        except Exception:  # noqa: BLE001 - some objects fail isinstance / storage queries
+            continue
+        if ptr in params or ptr in seen:
+            continue
+        seen.add(ptr)
+        key = (tuple(obj.shape), str(obj.dtype))
+        groups.setdefault(key, [0, 0])
+        groups[key][0] += 1
+        groups[key][1] += obj.untyped_storage().nbytes()
+    other = sum(n for _, n in groups.values())
+    alloc, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    print(f"memory: total {total / gib:.2f} GiB, used {(total - free) / gib:.2f} GiB = "
+          f"weights {weights / gib:.2f} + other live tensors {other / gib:.2f} (KV pool "
+          f"{server.runner.max_total_num_tokens} tokens among them) + allocator cache "
+          f"{(reserved - alloc) / gib:.2f} + outside torch's allocator "
+          f"{(total - free - reserved) / gib:.2f} (allocated {alloc / gib:.2f}, weights and "
+          f"tensors found {(weights + other) / gib:.2f}: the rest are graph pools' blocks)")
+    top = sorted(groups.items(), key=lambda kv: -kv[1][1])[:15]
+    for (shape, dtype), (count, nbytes) in top:
+        print(f"  {nbytes / gib:8.3f} GiB  {count:4d} x {shape} {dtype}")
 
 
 def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None) -> None:
@@ -88,7 +132,11 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
                       quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
     if a.lora:
         args = args.resolve()  # the pool's rank and targets from the adapters
+    if rank == 0:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     server = ModelProcess(args, rank, port)
+    if rank == 0 and a.memory:
+        memory_report(server)
     rng = random.Random(0)
     if a.w1:
         from benchmarks.bench_offline import w1_workload
