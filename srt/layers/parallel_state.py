@@ -27,6 +27,9 @@ class TPGroup:
 
 
 _group = TPGroup()
+# A gloo group over the same ranks for host-side agreement (GPUs: the main group is NCCL, whose
+# collectives queue behind the device's work); None where the main group is gloo already.
+_cpu_group: "dist.ProcessGroup | None" = None
 
 
 def init_tp_group(rank: int, size: int, device: torch.device, init_port: int | None,
@@ -47,6 +50,9 @@ def init_tp_group(rank: int, size: int, device: torch.device, init_port: int | N
             world_size=size,
             timeout=timedelta(minutes=10),
         )
+        if device.type == "cuda":
+            global _cpu_group
+            _cpu_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
     _group = TPGroup(rank, size, expert_parallel and size > 1)
 
 
@@ -154,6 +160,16 @@ def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
         return x
     dist.broadcast(x, src=0)
     return x
+
+
+def flag_from_first(flag: bool) -> bool:
+    """Rank 0's `flag` on every rank (the others' arguments are ignored). A host-side broadcast
+    over gloo: it waits for no device work, so the steps in flight keep running."""
+    if _group.size == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.broadcast(t, src=0, group=_cpu_group)
+    return bool(t.item())
 
 
 def min_over_ranks(value: int, device: torch.device) -> int:

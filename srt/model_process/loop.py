@@ -59,7 +59,7 @@ from srt.model_process.warmup import warm_up
 from srt.server_args import ServerArgs
 
 # Decode steps per round while nothing waits: amortizes the router round trip; a waiting request
-# is reconsidered after every step, and with one rank a new input ends the round (`step`).
+# is reconsidered after every step, and a new input ends the round (`step`).
 DECODE_STEPS_PER_ROUND = 4
 
 
@@ -124,7 +124,8 @@ class ModelProcess:
              input_pending: Callable[[], bool] | None = None) -> StepOutput:
         """One round. `emit` (rank 0 of a server): called with the outputs of each decode step
         but the last of the round, which go into the returned StepOutput with the rest.
-        `input_pending` (one rank only): the next input is waiting (the round ends for it)."""
+        `input_pending`: the next input is waiting (the round ends for it); with several ranks
+        it must answer alike on every rank (process.py: rank 0's answer, broadcast)."""
         began, t0 = time.time(), time.perf_counter()
         outs: list[TokenOut] = []
         self._emit = emit

@@ -17,6 +17,7 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> 
     import zmq
 
     from srt.faults import fault_point
+    from srt.layers import parallel_state
     from srt.managers.comm import PullSocket, PushSocket
     from srt.managers.io_struct import StepOutput
     from srt.utils import run_loop, start_child
@@ -72,8 +73,13 @@ def run_model_process(args: ServerArgs, ports: Any, tp_rank: int, link: Any) -> 
     fault = fault_point(args.fault, f"model{tp_rank}")
     heartbeat = link.heartbeat
 
-    # one rank: a round ends early for the next input (srt/managers/router/manager.py)
-    pending = inbox.pending if args.tp_size == 1 else None
+    # A round ends early for the next input (srt/managers/router/manager.py). Several ranks
+    # must end it at the same step: rank 0's socket decides for all.
+    if args.tp_size == 1:
+        pending = inbox.pending
+    else:
+        def pending() -> bool:
+            return parallel_state.flag_from_first(tp_rank == 0 and inbox.pending())
 
     def emit(token_out: Any) -> None:  # a decode step's outputs, before the round ends
         if outbox is not None:

@@ -1,10 +1,10 @@
 """The router process: batches what arrived from the HTTP process and drives every TP rank one round
 at a time, in lockstep. Rank 0's results go on to the detokenizer.
 
-With one rank, what arrives during a round is sent on at once as the next round's input: the
-model process ends a round of several decode steps early when its next input is waiting, so a
-new request is admitted after the decode step in flight, not after the round. (Several ranks
-would have to agree on the step at which they notice it, so they keep whole rounds.)
+What arrives during a round is sent on at once as the next round's input: the model processes
+end a round of several decode steps early when their next input is waiting, so a new request is
+admitted after the decode step in flight, not after the round. (With several ranks, rank 0's
+socket decides and a host-side broadcast tells the others, so all end it at the same step.)
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ class RouterManager:
                                for r in range(args.ranks_per_node, args.tp_size)]
         self.from_model = PullSocket(self.ctx, ports.model_to_router)
         self.to_detokenizer = PushSocket(self.ctx, ports.router_to_detokenizer)
-        self.send_mid_round = args.tp_size == 1
         self._poller = zmq.Poller()
         self._poller.register(self.from_model.zmq_socket, zmq.POLLIN)
         self._poller.register(self.from_tokenizer.zmq_socket, zmq.POLLIN)
@@ -95,7 +94,7 @@ class RouterManager:
                 self._send(msgs + self.from_tokenizer.drain(), has_work)
             sent_next = False
             while True:  # a round's partial outputs (streaming), then its last StepOutput
-                out = self._model_output(self.send_mid_round and not sent_next)
+                out = self._model_output(not sent_next)
                 if out is None:  # arrived mid-round: the model ends the round for it
                     self._send(self.from_tokenizer.drain(), True)
                     sent_next = True
