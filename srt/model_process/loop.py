@@ -124,8 +124,7 @@ class ModelProcess:
              input_pending: Callable[[], bool] | None = None) -> StepOutput:
         """One round. `emit` (rank 0 of a server): called with the outputs of each decode step
         but the last of the round, which go into the returned StepOutput with the rest.
-        `input_pending`: the next input is waiting (the round ends for it); with several ranks
-        it must answer alike on every rank (process.py: rank 0's answer, broadcast)."""
+        `input_pending`: the next input is waiting (the round ends for it; alike on all ranks)."""
         began, t0 = time.time(), time.perf_counter()
         outs: list[TokenOut] = []
         self._emit = emit
@@ -155,6 +154,7 @@ class ModelProcess:
         elif self.batch:
             for i in range(1 if self.waiting else DECODE_STEPS_PER_ROUND):
                 if i and input_pending is not None and input_pending():
+                    self.counters.rounds_cut += 1
                     break  # new requests, aborts or controls wait for no more steps
                 if i:
                     self._flush(outs)

@@ -28,6 +28,7 @@ class Counters:
     graph_fills: int = 0  # fill steps run as decode rows (--graph-fill-max-tokens)
     prefill_chunks: int = 0  # fills that computed a chunk of a longer prompt
     overlapped_steps: int = 0  # decode steps launched before the previous one was read
+    rounds_cut: int = 0  # decode rounds ended early because the next input was waiting
     timer: StepTimer = field(default_factory=StepTimer)
     last_log: float = field(default_factory=time.monotonic)
     generated_at_log: int = 0
@@ -78,6 +79,7 @@ def stats(p: ModelProcess) -> dict[str, Any]:
         "jump_forward_batch_steps": c.mixed_steps,
         "overlapped_decode_steps": c.overlapped_steps,
         "mixed_fill_steps": c.mixed_fills,
+        "decode_rounds_ended_for_input": c.rounds_cut,
         "graph_fill_steps": c.graph_fills,
         "graph_fill_max_tokens": p.graph_fill.max_tokens if not p.graph_fill.off else 0,
         "slow_rounds": c.slow_rounds.snapshot(),

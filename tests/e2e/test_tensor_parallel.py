@@ -92,6 +92,35 @@ def test_tp2_overlap_equals_plain_loop(llama_4l: str) -> None:
     assert outs[True][3]["overlapped_decode_steps"] == 0
 
 
+def test_tp2_new_request_ends_the_decode_round(llama_4l: str) -> None:
+    """--tp-size 2: a request that arrives while a round of decode steps runs ends the round
+    on both ranks at the same step (rank 0 decides, gloo tells rank 1), so it is admitted after
+    the step in flight; the stream running meanwhile loses nothing. Were the ranks to end it at
+    different steps, their collectives would no longer pair up and the server would hang."""
+    import threading
+
+    srv = _serve(["--model-path", llama_4l, "--tp-size", "2", "--max-total-tokens", "4096"])
+    try:
+        long: list[Any] = []
+        stream = threading.Thread(target=lambda: long.append(srv.generate({
+            "input_ids": PROMPTS[7], "sampling_params": {**GREEDY, "max_new_tokens": 400}})))
+        stream.start()
+        time.sleep(1.0)
+        probes = [srv.generate({"input_ids": p, "sampling_params": {**GREEDY,
+                                                                    "max_new_tokens": 2}})
+                  for p in PROMPTS[:6]]
+        stream.join(timeout=300)
+        info = srv.server_info()
+        alone = srv.generate({"input_ids": PROMPTS[:6], "sampling_params": {
+            **GREEDY, "max_new_tokens": 2}})
+        srv.assert_kv_invariant()
+    finally:
+        srv.stop()
+    assert len(long) == 1 and len(long[0]["output_ids"]) == 400
+    assert [r["output_ids"] for r in probes] == [r["output_ids"] for r in alone]
+    assert info["decode_rounds_ended_for_input"] > 0
+
+
 def test_smollm2_tp3_equals_tp1(server: Any, smollm2_tokenizer: Any) -> None:
     prompts = [smollm2_tokenizer.encode(t) for t in (
         "The capital of France is", "def add(a, b):", "Three colors:", "Once upon a time",
