@@ -126,10 +126,18 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input features: each rank's partial product, all-reduced; with
+    `reduce_results=False` the rank's partial sum is returned and the caller reduces it (a sum of
+    several such outputs then takes one all-reduce, not one each)."""
+
     lora = None  # as ColumnParallelLinear's
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 reduce_results: bool = True) -> None:
         super().__init__()
+        if bias and not reduce_results:
+            raise ValueError("a partial sum cannot carry the bias (it would be added per rank)")
+        self.reduce_results = reduce_results
         self.tp_rank, self.tp_size = ps.tp_rank(), ps.tp_size()
         self.in_per_rank = _divide(in_features, self.tp_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
@@ -152,6 +160,8 @@ class RowParallelLinear(nn.Module):
         out = self.quant.matmul(x) if self.quant is not None else F.linear(x, self.weight)
         if self.lora is not None and (info := current_lora()) is not None:
             out = self.lora.apply(x, out, info)  # into the rank's partial sum
+        if not self.reduce_results:
+            return out
         out = ps.all_reduce(out)
         # Bias after the reduction, so it is added once rather than once per rank.
         return out + self.bias if self.bias is not None else out

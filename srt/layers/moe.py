@@ -206,12 +206,16 @@ class FusedMoE(nn.Module):
         offset = 0 if shard_id == "w1" else n
         param.data[expert_id].narrow(0, offset, n).copy_(loaded.narrow(0, rank * n, n))
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        return self.compute(x, *route_topk(router_logits, self.top_k, self.renormalize))
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
+                reduce: bool = True) -> torch.Tensor:
+        return self.compute(x, *route_topk(router_logits, self.top_k, self.renormalize),
+                            reduce=reduce)
 
-    def compute(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum_j weights[:, j] * expert_{ids[:, j]}(x), all-reduced over the ranks; weights
-        and ids [T, k] as a router chose them."""
+    def compute(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                reduce: bool = True) -> torch.Tensor:
+        """sum_j weights[:, j] * expert_{ids[:, j]}(x), all-reduced over the ranks (with
+        `reduce=False`, the rank's partial sum); weights and ids [T, k] as a router chose
+        them."""
         if self.ep:
             # this rank's experts only: the others' choices are dropped (id `local`: computed
             # by no kernel); the all-reduce below sums every rank's experts
@@ -228,7 +232,7 @@ class FusedMoE(nn.Module):
         else:
             out = moe_forward_torch(x, self.w13_weight, self.w2_weight, weights, ids,
                                     self.w13_scale, self.w2_scale)
-        return ps.all_reduce(out)
+        return ps.all_reduce(out) if reduce else out
 
 
 class ReplicatedLinear(nn.Module):
@@ -245,7 +249,8 @@ class ReplicatedLinear(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Mixtral's `block_sparse_moe` and Qwen-MoE's sparse `mlp`: `gate` (the router) and
     `experts`; with `shared` (Qwen2-MoE) also a dense `shared_expert` MLP of that intermediate
-    size (tensor-parallel like the dense MLP), added under a sigmoid `shared_expert_gate`."""
+    size (tensor-parallel like the dense MLP, built with reduce_results=False), added under a
+    sigmoid `shared_expert_gate` to the experts' partial sum before the one all-reduce."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  renormalize: bool = True, shared: nn.Module | None = None) -> None:
@@ -257,7 +262,9 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            return self.experts(x, self.gate(x))
+        out = self.experts(x, self.gate(x), reduce=False)
+        # the gate is the same on every rank, so it may scale the partial sums
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return ps.all_reduce(out)

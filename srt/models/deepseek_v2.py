@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt.layers import parallel_state as ps
 from srt.layers.embedding import VocabParallelEmbedding
 from srt.layers.fused import use_fused
 from srt.layers.layernorm import RMSNorm
@@ -135,8 +136,9 @@ class DeepseekMoE(nn.Module):
         self.experts = FusedMoE(self.num_experts, self.top_k, config.hidden_size,
                                 config.moe_intermediate_size)
         shared = config.n_shared_experts or 0
-        self.shared_experts = LlamaMLP(config.hidden_size,
-                                       config.moe_intermediate_size * shared) if shared else None
+        # partial sums: the experts' and the shared experts' take one all-reduce together
+        self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * shared,
+                                       reduce_results=False) if shared else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k])."""
@@ -177,10 +179,10 @@ class DeepseekMoE(nn.Module):
         return weights * self.scale, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts.compute(x, *self.route(x))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        if self.shared_experts is None:
+            return self.experts.compute(x, *self.route(x))
+        out = self.experts.compute(x, *self.route(x), reduce=False)
+        return ps.all_reduce(out + self.shared_experts(x))
 
 
 class DeepseekV2DecoderLayer(nn.Module):

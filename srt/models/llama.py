@@ -47,11 +47,13 @@ def qwen_moe_layer(config: Any, layer_id: int) -> bool:
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False,
-                 act: nn.Module | None = None) -> None:
-        """`act`: the gated activation over [gate, up] (default SiLU-and-mul)."""
+                 act: nn.Module | None = None, reduce_results: bool = True) -> None:
+        """`act`: the gated activation over [gate, up] (default SiLU-and-mul);
+        `reduce_results=False`: the rank's partial sum (RowParallelLinear's)."""
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias,
+                                           reduce_results=reduce_results)
         self.act = act if act is not None else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +113,7 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = SparseMoeBlock(
                 config.hidden_size, config.moe_intermediate_size, config.num_experts,
                 config.num_experts_per_tok, bool(getattr(config, "norm_topk_prob", False)),
-                LlamaMLP(config.hidden_size, size) if size else None)
+                LlamaMLP(config.hidden_size, size, reduce_results=False) if size else None)
         else:
             self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, opts.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
