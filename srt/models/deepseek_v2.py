@@ -36,8 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.layers import parallel_state as ps
+from srt.layers.attention.fresh_prefill import fresh_prefill_attention
 from srt.layers.embedding import VocabParallelEmbedding
+from srt.layers.forward_batch import ForwardMode, get_forward_batch
 from srt.layers.fused import use_fused
+from srt.layers.kv_cache_dtype import store_kv
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import ColumnParallelLinear, RowParallelLinear
 from srt.layers.moe import FusedMoE, ReplicatedLinear
@@ -106,9 +109,29 @@ class MLAttention(nn.Module):
             q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
             query = torch.cat((q_lat, q_pe), dim=-1)
             latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [T, 1, rank + rope]
-        o = self.attn(query, latent, latent).view(t, n, self.rank + self.rope)
-        out = torch.einsum("thr,hvr->thv", o[..., : self.rank], w_uv)
+        fb = get_forward_batch()
+        if fb.forward_mode == ForwardMode.PREFILL and not fb.decode_tail:
+            out = self._fresh_prefill(fb, q_nope, query[..., self.rank:], latent)
+        else:
+            o = self.attn(query, latent, latent).view(t, n, self.rank + self.rope)
+            out = torch.einsum("thr,hvr->thv", o[..., : self.rank], w_uv)
         return self.o_proj(out.reshape(t, n * self.v_dim))
+
+    def _fresh_prefill(self, fb: Any, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                       latent: torch.Tensor) -> torch.Tensor:
+        """A PREFILL step (no cached prefix): the latents go into the pool as always, but the
+        attention runs over them expanded per head (keys nope + rope, values v_dim wide), as
+        transformers computes it, rather than absorbed (576-wide keys): [T, heads, v_dim]."""
+        t, n = latent.shape[0], self.num_heads
+        k_buf, _ = fb.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
+        store_kv(k_buf, fb.out_cache_loc, latent, self.attn.k_scale)
+        c, k_pe = latent[:, 0, : self.rank], latent[:, :, self.rank:]
+        kv = F.linear(c, self.kv_b_proj.weight).view(t, n, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe.expand(t, n, self.rope)), dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        return fresh_prefill_attention(q, k, v.contiguous(), fb.attn_metadata, fb.extend_lens_cpu,
+                                       self.attn.scaling)
 
 
 class DeepseekMoE(nn.Module):
