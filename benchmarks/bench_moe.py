@@ -27,7 +27,8 @@ from srt.layers.moe import moe_forward_torch, route_topk  # noqa: E402
 from srt.layers.moe_triton import TileConfig, fused_moe_triton, tile_config  # noqa: E402
 
 SWEEP = [TileConfig(m, n, k, w, s) for m in (16, 32, 64, 128)
-         for n, k in ((64, 64), (64, 128), (128, 64)) for w, s in ((4, 3), (4, 4), (8, 3))]
+         for n, k in ((64, 64), (64, 128), (128, 64), (128, 128)) for w, s in ((4, 3), (8, 3),
+                                                                             (8, 4))]
 
 
 def main() -> None:
@@ -64,10 +65,18 @@ def main() -> None:
                "torch_ms": ref, "floor_pct": 100 * floor / fused, "vs_torch": ref / fused,
                "config": _name(cfg)}
         if a.sweep:
-            best = min(((cuda_time_ms(lambda c=c: fused_moe_triton(x, w13, w2, weights, ids,
-                                                                    cfg=c), warmup=2, iters=5),
-                         c) for c in SWEEP), key=lambda x: x[0])
-            row.update(best_ms=best[0], best_config=_name(best[1]))
+            times = {}
+            for c in SWEEP:
+                if c.block_m > max(16, 2 * t * a.top_k / e):  # row blocks mostly padding
+                    continue
+                try:
+                    times[_name(c)] = cuda_time_ms(
+                        lambda c=c: fused_moe_triton(x, w13, w2, weights, ids, cfg=c),
+                        warmup=2, iters=5)
+                except Exception as exc:  # noqa: BLE001 - a tile too large for shared memory
+                    print(f"{_name(c)}: {type(exc).__name__}", flush=True)
+            best = min(times, key=times.get)
+            row.update(best_ms=times[best], best_config=best, sweep=times)
         rows.append(row)
         print(f"tokens={t} done", flush=True)
     cols = ["tokens", "active_experts", "floor_ms", "bound", "triton_ms", "torch_ms",
