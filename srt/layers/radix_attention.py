@@ -51,17 +51,20 @@ class RadixAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 rotary: RotaryEmbedding | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, kv_stored: bool = False) -> torch.Tensor:
         """q: [T, heads, d] or [T, heads * d], k, v: [T, kv_heads, d] or flat -> [T, heads * d].
 
         With `rotary`, q and k are rotated at `positions` first (on the GPU in the same kernel
-        that writes K/V into the pool)."""
+        that writes K/V into the pool). `kv_stored`: the caller wrote k (and v) to the step's
+        slots already, as they would be stored (no rotary then)."""
         fb = get_forward_batch()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(self.layer_id)
-        if rotary is not None and use_fused(q) and _fusable(q, k, v, self.head_dim) \
+        if kv_stored:
+            assert rotary is None, "stored keys are rotated already"
+        elif rotary is not None and use_fused(q) and _fusable(q, k, v, self.head_dim) \
                 and rotary.rotary_dim == self.head_dim and not rotary.interleaved:
             q = kernels().rope_and_store(q, k, v, positions, rotary.cos_cache, rotary.sin_cache,
                                          k_buf, v_buf, fb.out_cache_loc,

@@ -96,35 +96,41 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(n, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+        fb = get_forward_batch()
+        stored = False  # the latents are in the pool already
         if use_fused(x) and self.rope & (self.rope - 1) == 0:  # the norm, rotary, concatenations
             from srt.layers.mla_triton import mla_prep
 
+            pool = fb.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)[0]
+            stored = pool.dtype == x.dtype  # (an FP8 pool: quantized by the attention layer)
             query, latent = mla_prep(q, q_lat, kv, self.kv_a_layernorm.weight,
                                      self.kv_a_layernorm.eps, positions,
                                      self.rotary_emb.cos_cache, self.rotary_emb.sin_cache,
-                                     self.nope, self.rotary_emb.interleaved)
+                                     self.nope, self.rotary_emb.interleaved,
+                                     pool if stored else None, fb.out_cache_loc)
         else:
             c, k_pe = kv.split([self.rank, self.rope], dim=-1)
             c = self.kv_a_layernorm(c.contiguous())
             q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
             query = torch.cat((q_lat, q_pe), dim=-1)
             latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [T, 1, rank + rope]
-        fb = get_forward_batch()
         if fb.forward_mode == ForwardMode.PREFILL and not fb.decode_tail:
-            out = self._fresh_prefill(fb, q_nope, query[..., self.rank:], latent)
+            out = self._fresh_prefill(fb, q_nope, query[..., self.rank:], latent, stored)
         else:
-            o = self.attn(query, latent, latent).view(t, n, self.rank + self.rope)
+            o = self.attn(query, latent, latent, kv_stored=stored).view(
+                t, n, self.rank + self.rope)
             out = torch.einsum("thr,hvr->thv", o[..., : self.rank], w_uv)
         return self.o_proj(out.reshape(t, n * self.v_dim))
 
     def _fresh_prefill(self, fb: Any, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                       latent: torch.Tensor) -> torch.Tensor:
+                       latent: torch.Tensor, stored: bool) -> torch.Tensor:
         """A PREFILL step (no cached prefix): the latents go into the pool as always, but the
         attention runs over them expanded per head (keys nope + rope, values v_dim wide), as
         transformers computes it, rather than absorbed (576-wide keys): [T, heads, v_dim]."""
         t, n = latent.shape[0], self.num_heads
-        k_buf, _ = fb.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
-        store_kv(k_buf, fb.out_cache_loc, latent, self.attn.k_scale)
+        if not stored:
+            k_buf, _ = fb.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
+            store_kv(k_buf, fb.out_cache_loc, latent, self.attn.k_scale)
         c, k_pe = latent[:, 0, : self.rank], latent[:, :, self.rank:]
         kv = F.linear(c, self.kv_b_proj.weight).view(t, n, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)

@@ -58,3 +58,24 @@ def test_mla_prep_equals_torch(interleaved: bool, tokens: int, heads: int, nope:
                      norm.eps, positions.to(DEVICE), rotary.cos_cache.to(DEVICE),
                      rotary.sin_cache.to(DEVICE), nope, not interleaved)
     assert not torch.allclose(other[0].cpu(), want[0], atol=1e-3)
+
+
+def test_mla_prep_writes_the_latents_to_their_pool_slots() -> None:
+    """Given the pool and the slots, each token's latent lands in its slot (bit-equal to the
+    latent returned); every other slot keeps its poison."""
+    g = torch.Generator().manual_seed(3)
+    tokens, heads, nope, rope, rank = 5, 2, 8, 16, 48
+    q = torch.randn(tokens, heads, nope + rope, generator=g)
+    q_lat = torch.randn(tokens, heads, rank, generator=g)
+    kv = torch.randn(tokens, rank + rope, generator=g)
+    rotary = RotaryEmbedding(rope, 64, 10000.0, None, interleaved=True)
+    positions = torch.randint(0, 64, (tokens,), generator=g)
+    pool = torch.full((12, 1, rank + rope), 7.25, device=DEVICE)
+    loc = torch.tensor([9, 0, 4, 11, 6], device=DEVICE)
+    _, latent = mla_prep(q.to(DEVICE), q_lat.to(DEVICE), kv.to(DEVICE),
+                         torch.rand(rank, generator=g).to(DEVICE), 1e-6,
+                         positions.to(DEVICE), rotary.cos_cache.to(DEVICE),
+                         rotary.sin_cache.to(DEVICE), nope, True, pool, loc)
+    assert torch.equal(pool[loc], latent)
+    others = [i for i in range(12) if i not in loc.tolist()]
+    assert bool((pool[others] == 7.25).all())
