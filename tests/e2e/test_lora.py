@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -194,6 +195,12 @@ def _live_load_unload(srv: ServerProcess, base: str, paths: dict[str, str],
     for t in threads:
         t.start()
     try:
+        # the streams are running before A's unload is asked for (else it may come first,
+        # unload A, and A's streams are refused)
+        deadline = time.monotonic() + 60
+        while srv.server_info()["num_running_reqs"] < 4 and len(results) < 4:
+            assert time.monotonic() < deadline, "the four streams never ran together"
+            time.sleep(0.005)
         busy = _post(srv, "/unload_lora_adapter", {"lora_name": "A"})
         d = shutil.copytree(paths["C"], str(tmp_path / "D"))
         loaded = _post(srv, "/load_lora_adapter", {"lora_name": "D", "lora_path": d})
