@@ -42,7 +42,7 @@ def _mla_prep_kernel(q_ptr, q_lat_ptr, kv_ptr, norm_w_ptr, pos_ptr, cos_ptr, sin
                      stride_pool,
                      NOPE: tl.constexpr, ROPE: tl.constexpr, RANK: tl.constexpr,
                      RANK_PAD: tl.constexpr, INTERLEAVED: tl.constexpr,
-                     STORE_POOL: tl.constexpr):
+                     STORE_POOL: tl.constexpr, HAS_QLAT: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     heads = tl.num_programs(1)
@@ -51,8 +51,9 @@ def _mla_prep_kernel(q_ptr, q_lat_ptr, kv_ptr, norm_w_ptr, pos_ptr, cos_ptr, sin
     r = tl.arange(0, RANK_PAD)
     rmask = r < RANK
     out = query_ptr + (t * heads + h) * (RANK + ROPE)
-    ql = tl.load(q_lat_ptr + t * stride_lt + h * stride_lh + r, mask=rmask)
-    tl.store(out + r, ql.to(query_ptr.dtype.element_ty), mask=rmask)
+    if HAS_QLAT:
+        ql = tl.load(q_lat_ptr + t * stride_lt + h * stride_lh + r, mask=rmask)
+        tl.store(out + r, ql.to(query_ptr.dtype.element_ty), mask=rmask)
     q_pe = _rotate(q_ptr + t * stride_qt + h * stride_qh + NOPE, cos_row, sin_row, ROPE,
                    INTERLEAVED)
     tl.store(out + RANK + tl.arange(0, ROPE), q_pe.to(query_ptr.dtype.element_ty))
@@ -75,7 +76,8 @@ def _mla_prep_kernel(q_ptr, q_lat_ptr, kv_ptr, norm_w_ptr, pos_ptr, cos_ptr, sin
             tl.store(slot + RANK + tl.arange(0, ROPE), k_pe)
 
 
-def mla_prep(q: torch.Tensor, q_lat: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor,
+def mla_prep(q: torch.Tensor, q_lat: torch.Tensor | None, kv: torch.Tensor,
+             norm_weight: torch.Tensor,
              eps: float, positions: torch.Tensor, cos_cache: torch.Tensor,
              sin_cache: torch.Tensor, nope: int, interleaved: bool,
              pool: torch.Tensor | None = None, loc: torch.Tensor | None = None,
@@ -83,13 +85,15 @@ def mla_prep(q: torch.Tensor, q_lat: torch.Tensor, kv: torch.Tensor, norm_weight
     """(query [T, heads, rank + rope], latent [T, 1, rank + rope]) as the module docstring says.
 
     q: [T, heads, nope + rope] (any token / head strides, unit last stride); q_lat: [T, heads,
-    rank]; kv: kv_a's output [T, rank + rope]; cos_cache / sin_cache: [positions, rope] float32;
+    rank], or None when only the rotated q_pe is wanted (query's first `rank` values are then
+    left unwritten: the expanded prefill needs no absorbed query); kv: kv_a's output [T, rank + rope]; cos_cache / sin_cache: [positions, rope] float32;
     `rope` a power of two. `pool` [slots, 1, rank + rope] in q's dtype and `loc` [T]: token t's
     latent is also written to pool[loc[t]]."""
     t, heads, _ = q.shape
-    rank = q_lat.shape[-1]
     rope = cos_cache.shape[-1]
-    if rope & (rope - 1) or q.stride(-1) != 1 or q_lat.stride(-1) != 1 or kv.stride(-1) != 1:
+    rank = kv.shape[-1] - rope
+    if rope & (rope - 1) or q.stride(-1) != 1 or kv.stride(-1) != 1 or (
+            q_lat is not None and (q_lat.stride(-1) != 1 or q_lat.shape[-1] != rank)):
         raise ValueError("mla_prep needs a power-of-two rope dimension and unit last strides")
     if pool is not None and (pool.dtype != q.dtype or pool.shape[1:] != (1, rank + rope)
                              or pool.stride(-1) != 1 or loc is None):
@@ -100,10 +104,13 @@ def mla_prep(q: torch.Tensor, q_lat: torch.Tensor, kv: torch.Tensor, norm_weight
     if t == 0:
         return query, latent
     _mla_prep_kernel[(t, heads)](
-        q, q_lat, kv, norm_weight, positions, cos_cache, sin_cache, query, latent,
+        q, q_lat if q_lat is not None else q, kv, norm_weight, positions, cos_cache, sin_cache,
+        query, latent,
         pool if pool is not None else latent, loc if loc is not None else positions, float(eps),
-        q.stride(0), q.stride(1), q_lat.stride(0), q_lat.stride(1), kv.stride(0),
+        q.stride(0), q.stride(1), q_lat.stride(0) if q_lat is not None else 0,
+        q_lat.stride(1) if q_lat is not None else 0, kv.stride(0),
         cos_cache.stride(0), pool.stride(0) if pool is not None else 0,
         NOPE=nope, ROPE=rope, RANK=rank, RANK_PAD=triton.next_power_of_2(rank),
-        INTERLEAVED=interleaved, STORE_POOL=pool is not None, num_warps=4)
+        INTERLEAVED=interleaved, STORE_POOL=pool is not None, HAS_QLAT=q_lat is not None,
+        num_warps=4)
     return query, latent

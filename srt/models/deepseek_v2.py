@@ -95,8 +95,10 @@ class MLAttention(nn.Module):
         # W_UV [heads, v, rank]
         w = self.kv_b_proj.weight.view(n, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
         fb = get_forward_batch()
+        # a PREFILL step attends over expanded keys (`_fresh_prefill`): no absorbed query
+        fresh = fb.forward_mode == ForwardMode.PREFILL and not fb.decode_tail
+        q_lat = None if fresh else torch.einsum("thd,hdr->thr", q_nope, w_uk)
         stored = False  # the latents are in the pool already
         if use_fused(x) and self.rope & (self.rope - 1) == 0:  # the norm, rotary, concatenations
             from srt.layers.mla_triton import mla_prep
@@ -108,14 +110,15 @@ class MLAttention(nn.Module):
                                      self.rotary_emb.cos_cache, self.rotary_emb.sin_cache,
                                      self.nope, self.rotary_emb.interleaved,
                                      pool if stored else None, fb.out_cache_loc)
+            q_pe = query[..., self.rank:]
         else:
             c, k_pe = kv.split([self.rank, self.rope], dim=-1)
             c = self.kv_a_layernorm(c.contiguous())
             q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
-            query = torch.cat((q_lat, q_pe), dim=-1)
+            query = None if fresh else torch.cat((q_lat, q_pe), dim=-1)
             latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [T, 1, rank + rope]
-        if fb.forward_mode == ForwardMode.PREFILL and not fb.decode_tail:
-            out = self._fresh_prefill(fb, q_nope, query[..., self.rank:], latent, stored)
+        if fresh:
+            out = self._fresh_prefill(fb, q_nope, q_pe, latent, stored)
         else:
             o = self.attn(query, latent, latent, kv_stored=stored).view(
                 t, n, self.rank + self.rope)
@@ -136,7 +139,7 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_pe.expand(t, n, self.rope)), dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1)
-        return fresh_prefill_attention(q, k, v.contiguous(), fb.attn_metadata, fb.extend_lens_cpu,
+        return fresh_prefill_attention(q, k, v, fb.attn_metadata, fb.extend_lens_cpu,
                                        self.attn.scaling)
 
 

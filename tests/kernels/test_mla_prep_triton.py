@@ -53,6 +53,13 @@ def test_mla_prep_equals_torch(interleaved: bool, tokens: int, heads: int, nope:
     for g_, w_ in zip(got, want):
         assert g_.shape == w_.shape
         torch.testing.assert_close(g_.cpu(), w_, rtol=1e-5, atol=1e-5)
+    # without q_lat (the expanded prefill): the rotated q_pe and the latent alike
+    query, latent = mla_prep(q.to(DEVICE), None, kv.to(DEVICE), norm.weight.to(DEVICE),
+                             norm.eps, positions.to(DEVICE), rotary.cos_cache.to(DEVICE),
+                             rotary.sin_cache.to(DEVICE), nope, interleaved)
+    torch.testing.assert_close(query[..., rank:].cpu(), want[0][..., rank:], rtol=1e-5,
+                               atol=1e-5)
+    torch.testing.assert_close(latent.cpu(), want[1], rtol=1e-5, atol=1e-5)
     # the other rotary layout gives other values: the test sees the layout
     other = mla_prep(q.to(DEVICE), q_lat.to(DEVICE), kv.to(DEVICE), norm.weight.to(DEVICE),
                      norm.eps, positions.to(DEVICE), rotary.cos_cache.to(DEVICE),
