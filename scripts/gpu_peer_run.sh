@@ -24,6 +24,8 @@
 #   VLLM_EXTRA_ENV="K=V ..." extra environment of the vLLM runs, e.g.
 #                   VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random (experts drawn at random)
 #   VLLM_LONG="..." shapes to run vLLM's --long mode on (W3, T30, D30; same install)
+#   VLLM_CONSTRAINED=1  vLLM's per-token cost of the regex of bench_constrained.py (SmolLM2
+#                   shape, tokenizer from .whlgr/tok: benchmarks/vllm_constrained.py)
 #   TAG=a           suffix of the result files (runs A and B of one sitting)
 # Wheels srt needs that the machine lacks travel in .whl (installed to /tmp/site): for Python
 # 3.12, pyzmq, and for the HTTP stages fastapi 0.136.3 (newer ones import opentelemetry),
@@ -103,7 +105,7 @@ for stage in ${SRT:-}; do
   esac
 done
 
-if [ -n "${VLLM:-}${VLLM_LONG:-}" ]; then
+if [ -n "${VLLM:-}${VLLM_LONG:-}${VLLM_CONSTRAINED:-}" ]; then
   source /tmp/vllm-parts/install_vllm.sh || { echo "!! vLLM install failed"; exit 1; }
   for shape in ${VLLM:-}; do
     run "vllm_${shape}_$TAG" 300 env $VLLM_ENV ${VLLM_EXTRA_ENV:-} python3 /tmp/vllm-parts/vllm_bench.py "$shape" \
@@ -113,5 +115,9 @@ if [ -n "${VLLM:-}${VLLM_LONG:-}" ]; then
     run "vllm_long_${shape}_$TAG" 480 env $VLLM_ENV python3 /tmp/vllm-parts/vllm_bench.py \
       "$shape" --long --out "$OUT/vllm_long_${shape}_$TAG.json"
   done
+  if [ -n "${VLLM_CONSTRAINED:-}" ]; then
+    run "vllm_constrained_$TAG" 400 env $VLLM_ENV python3 benchmarks/vllm_constrained.py \
+      --tokenizer-dir .whlgr/tok --out "$OUT/vllm_constrained_$TAG.json"
+  fi
 fi
 ls "$OUT"
