@@ -9,7 +9,8 @@
 #                   serving (streamed 256 in / 256 out at rising Poisson rates: the curve
 #                   benchmarks/capacity.py reads; knobs in SWEEP_ARGS, default "--request-rate
 #                   8 16 24 32 48 --num-prompts 240"), constrained (bench_constrained.py per
-#                   grammar backend with SmolLM2's tokenizer from .whlgr/tok),
+#                   grammar backend in GRAMMAR_BACKENDS, default all three, with SmolLM2's
+#                   tokenizer from .whlgr/tok or .whlgr/tok.tgz),
 #                   tests (the gpu-marked tests in TESTS), offline-lora (W1 with LoRA
 #                   adapters over the requests: LORA_ARGS, default "--lora 8 --lora-rank 16");
 #                   profile (benchmarks/profile_decode.py: PROF_ARGS, the log's last PROF_TAIL
@@ -49,6 +50,8 @@ if [ -n "$wheels" ] && [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$(echo $whee
   echo $wheels > /tmp/site/.wheels
 fi
 export PYTHONPATH=/tmp/site:$PWD
+# SmolLM2's tokenizer travels packed (the calls' size limit)
+if [ -f .whlgr/tok.tgz ] && [ ! -d .whlgr/tok ]; then tar -C .whlgr -xzf .whlgr/tok.tgz; fi
 if [ -n "${PART:-}" ]; then
   mkdir -p /tmp/vllm-parts && cp .peer/"$PART"/* /tmp/vllm-parts/
 fi
@@ -93,7 +96,7 @@ for stage in ${SRT:-}; do
                --out "$OUT/srt_serving_${shape}_$TAG.json" ;;
     constrained) run "srt_constrained_${shape}_$TAG" 540 python3 benchmarks/bench_constrained.py \
                    --shape "$shape" --tokenizer-dir .whlgr/tok \
-                   --grammar-backend xgrammar llguidance outlines ${SRT_ARGS:-} \
+                   --grammar-backend ${GRAMMAR_BACKENDS:-xgrammar llguidance outlines} ${SRT_ARGS:-} \
                    --out "$OUT/srt_constrained_${shape}_$TAG.json" ;;
     quantgemm) run "srt_quant_gemm_$TAG" ${QG_TIMEOUT:-400} python3 benchmarks/bench_quant_gemm.py ${QG_ARGS:-} \
                  --out "$OUT/srt_quant_gemm_$TAG.json" ;;
