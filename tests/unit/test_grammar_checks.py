@@ -143,3 +143,45 @@ def test_xgrammar_dead_end_and_its_cached_mask_row(smollm2_tokenizer) -> None:
     same_masks()
     allowed = ~masks.batch([cached])[0]
     assert allowed[tok.eos_token_id] and allowed.sum() > 1
+
+
+def test_xgrammar_prefetch_equals_per_row_checks(smollm2_tokenizer) -> None:
+    """prefetch answers every row's dead-end test at once and keeps its mask row: both equal a
+    fresh matcher's per-row answer and fill, over rows that are dead ends, complete with more to
+    come, and incomplete, through accepts and a rollback."""
+    import torch
+
+    from srt.constrained.grammar import ConstraintSpec
+    from srt.constrained.registry import create_grammar_backend
+    from srt.constrained.xgrammar_backend import XGrammarMatcher
+
+    tok = smollm2_tokenizer
+    be = create_grammar_backend("xgrammar", tok, tok.eos_token_id, len(tok), 8)
+    g = be.compile(ConstraintSpec("regex", "(yes|no)( indeed)?")).result()
+    texts = ["yes indeed", "yes", "no", "n", "yes indeed", "no indeed", ""]
+    pairs = []
+    for text in texts:
+        a, b = g.matcher(), g.matcher()
+        for t in tok.encode(text, add_special_tokens=False) if text else []:
+            assert a.accept(t) and b.accept(t)
+        pairs.append((a, b))
+    masks = be.mask_builder(len(tok), torch.device("cpu"))
+
+    def check() -> list[bool]:
+        XGrammarMatcher.prefetch([a for a, _ in pairs])
+        dead = [a.is_dead_end() for a, _ in pairs]
+        # b's own copies, never prefetched: the per-row test and the per-row fill
+        assert dead == [XGrammarMatcher(g, b.inner.fork()).is_dead_end() for _, b in pairs]
+        fresh = masks.batch([XGrammarMatcher(g, b.inner.fork()) for _, b in pairs]).clone()
+        assert torch.equal(masks.batch([a for a, _ in pairs]).clone(), fresh)
+        return dead
+
+    assert check() == [True, False, False, False, True, True, False]
+    for a, b in pairs[1:3]:  # "yes" / "no" -> + " indeed": dead ends now
+        for t in tok.encode(" indeed", add_special_tokens=False):
+            assert a.accept(t) and b.accept(t)
+    assert check()[1:3] == [True, True]
+    n = len(tok.encode(" indeed", add_special_tokens=False))
+    pairs[0][0].rollback(n)
+    pairs[0][1].rollback(n)
+    assert check()[0] is False
