@@ -47,13 +47,13 @@ class XGrammarMatcher(BitmaskMatcher):
         self.grammar = grammar
         self.inner = inner  # xgrammar.GrammarMatcher
         self.accepted = 0
-        # The mask row of the current state, once computed (by is_dead_end): the next step's
-        # mask needs the same row, so it is copied from here instead of filled again.
-        # `_version` changes with every change of state; `_row_at` is the version of `_row`.
+        # The mask row of the current state, once computed (by is_dead_end or prefetch): the
+        # next step's mask needs the same row, so it is copied from here instead of filled
+        # again. `_version` changes with every change of state; `_row_at` is the version of
+        # `_row` ([words] int32, numpy: a view of a prefetched block or of `_own`).
         self._version = 0
-        self._row: "torch.Tensor | None" = None
-        self._row_np: np.ndarray | None = None  # the same row as numpy
-        self._own: "torch.Tensor | None" = None  # this matcher's own row (prefetch's are shared)
+        self._row: np.ndarray | None = None
+        self._own: "torch.Tensor | None" = None  # this matcher's own [1, words] row
         self._row_at = -1
         # is_dead_end's answer for version `_dead_at` (set for a whole step by prefetch)
         self._dead = False
@@ -80,17 +80,17 @@ class XGrammarMatcher(BitmaskMatcher):
         m.accepted = self.accepted
         return m
 
-    def _current_row(self) -> "torch.Tensor":
-        """[1, words] mask row of the current state (filled once per state)."""
+    def _current_row(self) -> np.ndarray:
+        """[words] mask row of the current state (filled once per state)."""
         if self._row_at != self._version:
             if self._own is None:
                 import xgrammar as xgr
 
                 self._own = xgr.allocate_token_bitmask(1, self.grammar.vocab_size)
             self.inner.fill_next_token_bitmask(self._own)
-            self._row, self._row_np = self._own, self._own.numpy()[0]
+            self._row = self._own.numpy()[0]
             self._row_at = self._version
-        return self._row
+        return self._row  # type: ignore[return-value]
 
     @classmethod
     def prefetch(cls, matchers: list[Matcher]) -> None:
@@ -119,8 +119,7 @@ class XGrammarMatcher(BitmaskMatcher):
         if done.any():
             dead[done] = ~(words[done] & todo[0].grammar.non_stop_bits()).any(axis=1)
         for i, m in enumerate(todo):
-            m._row = block[i : i + 1]
-            m._row_np = words[i]
+            m._row = words[i]
             m._row_at = m._dead_at = m._version
             m._dead = bool(dead[i])
 
@@ -131,12 +130,11 @@ class XGrammarMatcher(BitmaskMatcher):
             return False
         # Only stop tokens may follow: no bit outside theirs is set. (numpy: a few microseconds
         # where two small torch ops take ten, per row and step)
-        self._current_row()
-        return not np.bitwise_and(self._row_np, self.grammar.non_stop_bits()).any()
+        return not np.bitwise_and(self._current_row(), self.grammar.non_stop_bits()).any()
 
     def fill_bitmask(self, bitmask: "torch.Tensor", row: int) -> None:
         if self._row_at == self._version:
-            bitmask[row].copy_(self._row[0])  # type: ignore[index]
+            bitmask.numpy()[row] = self._row
         else:
             self.inner.fill_next_token_bitmask(bitmask, row)
 
@@ -155,7 +153,7 @@ class XGrammarMatcher(BitmaskMatcher):
             assert isinstance(m, XGrammarMatcher)
             if m._row_at == m._version:
                 ready.append(row)
-                ready_rows.append(m._row_np)  # type: ignore[arg-type]
+                ready_rows.append(m._row)  # type: ignore[arg-type]
             else:
                 todo.append((m, row))
         if ready:
