@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, given, settings

@@ -9,7 +9,6 @@ import os
 import threading
 from typing import Any
 
-import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
