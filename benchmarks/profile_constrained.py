@@ -56,8 +56,15 @@ def main() -> None:
                    "a jump has a row per new id)")
     p.add_argument("--grammar-backend", default="xgrammar",
                    choices=["xgrammar", "llguidance", "outlines"])
+    p.add_argument("--xgrammar-batch-fill-min-rows", type=int, default=None,
+                   help="xgrammar fills the rows of a step on its threads from this many rows "
+                   "(default: the backend's; a large value fills row by row)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    if a.xgrammar_batch_fill_min_rows is not None:
+        from srt.constrained.xgrammar_backend import XGrammarMatcher
+
+        XGrammarMatcher.BATCH_FILL_MIN_ROWS = a.xgrammar_batch_fill_min_rows
 
     from srt.managers.io_struct import StepInput, TokenizedGenerateReq
     from srt.model_process.loop import ModelProcess
