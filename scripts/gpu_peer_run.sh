@@ -26,7 +26,8 @@
 #                   VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random (experts drawn at random)
 #   VLLM_LONG="..." shapes to run vLLM's --long mode on (W3, T30, D30; same install)
 #   VLLM_CONSTRAINED=1  vLLM's per-token cost of the regex of bench_constrained.py (SmolLM2
-#                   shape, tokenizer from .whlgr/tok: benchmarks/vllm_constrained.py)
+#                   shape, tokenizer from .whlgr/tok: benchmarks/vllm_constrained.py; needs
+#                   .whlvx carried: lm-format-enforcer and interegular, which the kit lacks)
 #   TAG=a           suffix of the result files (runs A and B of one sitting)
 # Wheels srt needs that the machine lacks travel in .whl (installed to /tmp/site): for Python
 # 3.12, pyzmq, and for the HTTP stages fastapi 0.136.3 (newer ones import opentelemetry),
@@ -110,6 +111,12 @@ done
 
 if [ -n "${VLLM:-}${VLLM_LONG:-}${VLLM_CONSTRAINED:-}" ]; then
   source /tmp/vllm-parts/install_vllm.sh || { echo "!! vLLM install failed"; exit 1; }
+  # vLLM validates structured-output requests by importing every grammar backend, and the kit
+  # lacks lm-format-enforcer: its wheels (lm-format-enforcer, interegular) travel in .whlvx
+  if ls .whlvx/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vllm-peer/site \
+      --upgrade .whlvx/*.whl || echo "!! .whlvx install failed"
+  fi
   for shape in ${VLLM:-}; do
     run "vllm_${shape}_$TAG" 300 env $VLLM_ENV ${VLLM_EXTRA_ENV:-} python3 /tmp/vllm-parts/vllm_bench.py "$shape" \
       ${VLLM_ARGS:-} --out "$OUT/vllm_${shape}_$TAG.json"
