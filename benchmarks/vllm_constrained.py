@@ -1,5 +1,6 @@
-"""vLLM's cost of constrained decoding on the workload of `bench_constrained.py` part 1, the anchor
-for srt's figure: run in vLLM's environment on the GPU machine (the peer kit), never imported by srt.
+"""vLLM's cost of constrained decoding on the workload of `bench_constrained.py` part 1, the
+anchor for srt's figure: run in vLLM's environment on the GPU machine (the peer kit), never
+imported by srt.
 
     env $VLLM_ENV python3 benchmarks/vllm_constrained.py --tokenizer-dir .whlgr/tok --out F.json
 

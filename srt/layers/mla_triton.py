@@ -86,9 +86,10 @@ def mla_prep(q: torch.Tensor, q_lat: torch.Tensor | None, kv: torch.Tensor,
 
     q: [T, heads, nope + rope] (any token / head strides, unit last stride); q_lat: [T, heads,
     rank], or None when only the rotated q_pe is wanted (query's first `rank` values are then
-    left unwritten: the expanded prefill needs no absorbed query); kv: kv_a's output [T, rank + rope]; cos_cache / sin_cache: [positions, rope] float32;
-    `rope` a power of two. `pool` [slots, 1, rank + rope] in q's dtype and `loc` [T]: token t's
-    latent is also written to pool[loc[t]]."""
+    left unwritten: the expanded prefill needs no absorbed query); kv: kv_a's output
+    [T, rank + rope]; cos_cache / sin_cache: [positions, rope] float32; `rope` a power of two.
+    `pool` [slots, 1, rank + rope] in q's dtype and `loc` [T]: token t's latent is also written
+    to pool[loc[t]]."""
     t, heads, _ = q.shape
     rope = cos_cache.shape[-1]
     rank = kv.shape[-1] - rope
