@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
 
 from srt.constrained.grammar import MaskBuilder, Matcher
 
@@ -38,6 +40,10 @@ class BitmaskMasks(MaskBuilder):
         self.device = device
         self.words = (vocab_size + 31) // 32
         self.shifts = torch.arange(32, dtype=torch.int32, device=device)
+        # [words] uint32: the bits of the vocabulary's tokens (the last word's tail is padding)
+        self._in_vocab = np.full(self.words, 0xFFFFFFFF, dtype=np.uint32)
+        if vocab_size % 32:
+            self._in_vocab[-1] = (1 << (vocab_size % 32)) - 1
         # Two host buffers, alternated: the copy from one may still be in flight while the
         # next step fills the other.
         self._host: list[torch.Tensor] = []
@@ -54,12 +60,16 @@ class BitmaskMasks(MaskBuilder):
         self._turn ^= 1
         return self._host[self._turn][:bs]
 
-    def batch(self, matchers: list[Matcher | None]) -> "torch.Tensor":
+    def batch(self, matchers: list[Matcher | None],
+              keep_out: Sequence[tuple[int, Sequence[int]]] = ()) -> "torch.Tensor":
+        # min_new_tokens' ids are cleared in the packed rows on the host: no second mask on
+        # the device and no merge
         buf = self._buffer(len(matchers))
+        words = buf.numpy()
         groups: dict[type, tuple[list[BitmaskMatcher], list[int]]] = {}
         for i, m in enumerate(matchers):
             if m is None:
-                buf[i].fill_(-1)  # every bit set: nothing forbidden
+                words[i] = -1  # every bit set: nothing forbidden
             else:
                 assert isinstance(m, BitmaskMatcher)
                 ms, rows = groups.setdefault(type(m), ([], []))
@@ -67,6 +77,22 @@ class BitmaskMasks(MaskBuilder):
                 rows.append(i)
         for cls, (ms, rows) in groups.items():
             cls.fill_bitmasks(ms, buf, rows)
+        for i, ids in keep_out:
+            self._keep_out(words[i], ids)
         packed = buf.to(self.device, non_blocking=True)
         bits = (packed.unsqueeze(-1) >> self.shifts) & 1
         return bits.view(len(matchers), -1)[:, : self.vocab_size] == 0
+
+    def matcher_mask(self, matchers: list[Matcher | None]) -> "torch.Tensor":
+        return self.batch(matchers)
+
+    def _keep_out(self, row: np.ndarray, ids: Sequence[int]) -> None:
+        """Clear the bits of `ids` in the packed `row`, unless no token of the vocabulary
+        would be left allowed (then the row stays the matcher's)."""
+        t = np.fromiter((i for i in ids if i < self.vocab_size), dtype=np.int64)
+        if not len(t):
+            return
+        cleared = row.view(np.uint32).copy()
+        np.bitwise_and.at(cleared, t >> 5, ~(np.uint32(1) << (t & 31).astype(np.uint32)))
+        if (cleared & self._in_vocab).any():
+            row.view(np.uint32)[:] = cleared

@@ -14,7 +14,7 @@ import itertools
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -103,11 +103,24 @@ class CompiledGrammar(ABC):
 class MaskBuilder(ABC):
     """Builds the batch's forbidden-token mask, once per step, on the model's device."""
 
+    def batch(self, matchers: list[Matcher | None],
+              keep_out: Sequence[tuple[int, Sequence[int]]] = ()) -> "torch.Tensor":
+        """[bs, vocab] bool on the device, True where a token is forbidden: what each row's
+        matcher forbids (nothing for rows without one), and for each (row, ids) of `keep_out`
+        (min_new_tokens keeping stop tokens out) those ids too, unless that leaves the row no
+        token: then the matcher's rule alone (the pattern is the harder rule). Copies are
+        non-blocking: the forward in flight is not waited for."""
+        from srt.constrained.mask import keep_out_mask, merge_forbidden
+
+        mask = self.matcher_mask(matchers)
+        if not keep_out:
+            return mask
+        return merge_forbidden(
+            keep_out_mask(keep_out, len(matchers), mask.shape[-1], mask.device), mask)
+
     @abstractmethod
-    def batch(self, matchers: list[Matcher | None]) -> "torch.Tensor":
-        """[bs, vocab] bool on the device, True where a token is forbidden; rows without a
-        matcher forbid nothing. Copies are non-blocking: the forward in flight is not waited
-        for."""
+    def matcher_mask(self, matchers: list[Matcher | None]) -> "torch.Tensor":
+        """`batch` without `keep_out`."""
 
 
 class GrammarBackend(ABC):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Sequence
 
 import torch
 
@@ -96,3 +97,17 @@ def merge_forbidden(existing: torch.Tensor | None, fsm_forbidden: torch.Tensor) 
     both = existing | fsm_forbidden
     empty = both.all(dim=-1, keepdim=True)
     return torch.where(empty, fsm_forbidden, both)
+
+
+def keep_out_mask(keep_out: Sequence[tuple[int, Sequence[int]]], bs: int, vocab_size: int,
+                  device: torch.device) -> torch.Tensor:
+    """[bs, vocab] bool on `device`, True at each (row, ids) of `keep_out` (ids at or past
+    `vocab_size` ignored). A few ids a row: their flat positions go to the device, not a
+    [bs, vocab] host mask (and index_fill_, not `mask[rows, cols] = True`: that assignment
+    waits for the device)."""
+    flat = [i * vocab_size + t for i, ids in keep_out for t in ids if t < vocab_size]
+    mask = torch.zeros((bs, vocab_size), dtype=torch.bool, device=device)
+    if flat:
+        idx = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+        mask.view(-1).index_fill_(0, idx, True)
+    return mask

@@ -81,7 +81,7 @@ class OutlinesMasks(MaskBuilder):
 
         self.rows = ForbiddenRows(vocab_size, device)
 
-    def batch(self, matchers: list[Matcher | None]) -> "torch.Tensor":
+    def matcher_mask(self, matchers: list[Matcher | None]) -> "torch.Tensor":
         return self.rows.batch([(m.fsm, m.state) if isinstance(m, FSMMatcher) else None
                                 for m in matchers])
 

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from srt.constrained.grammar import MaskBuilder
-from srt.constrained.mask import merge_forbidden
 from srt.layers import parallel_state
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.sampler import sample, verify_sample
@@ -39,7 +38,7 @@ from srt.model_process.logprob_step import StepLogprobs
 from srt.model_process.model_runner import ModelRunner
 from srt.model_process.radix_cache import shared_prefix_len
 from srt.model_process.req import Req
-from srt.model_process.sampling_info import SamplingRows, build_sampling_info
+from srt.model_process.sampling_info import SamplingRows, build_sampling_info, keep_out_rows
 from srt.model_process.step_inputs import StepInputBuilder
 from srt.model_process.step_timing import StepTimer
 
@@ -191,16 +190,20 @@ class StepExecutor:
         # the device runs the forward (every copy in them is non-blocking).
         # a verification's rows: each follows its request's drafts before it
         before = plan.verify.drafts_before() if plan.verify is not None else None
+        constrained = any(r.matcher is not None for r in reqs)
         info, self.sampling_rows = build_sampling_info(
-            rows_reqs, self.vocab_size, dev, self.stop_ids, self.sampling_rows, before)
-        if any(r.matcher is not None for r in reqs):
+            rows_reqs, self.vocab_size, dev, self.stop_ids, self.sampling_rows, before,
+            keep_out=not constrained)
+        if constrained:
             if self.masks is None:
                 self.masks = self.grammar_masks(logits.shape[-1], dev)
             # a verification's rows: each its own state (after the drafts before it)
             row_matchers = plan.verify.matchers if plan.verify is not None \
                 and plan.verify.matchers is not None else [r.matcher for r in rows_reqs]
-            info.forbidden = merge_forbidden(info.forbidden, self.masks.batch(
-                [None if r.finished else m for r, m in zip(rows_reqs, row_matchers)]))
+            # min_new_tokens' stop tokens go into the grammar's mask (one mask, one merge)
+            info.forbidden = self.masks.batch(
+                [None if r.finished else m for r, m in zip(rows_reqs, row_matchers)],
+                keep_out_rows(rows_reqs, self.stop_ids, before))
         self.timer.mark("sample_prep")
         if plan.verify is not None:
             # each row's output position (seeded rows draw their noise from it)

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from srt.constrained.mask import keep_out_mask
 from srt.layers.sampler import SamplingBatchInfo
 from srt.model_process.req import Req
 
@@ -49,14 +50,16 @@ class SamplingRows:
 def build_sampling_info(
     reqs: list[Req], vocab_size: int, device: torch.device,
     stop_ids: Callable[[Req], set[int]], cached: SamplingRows | None = None,
-    before: list[list[int]] | None = None,
+    before: list[list[int]] | None = None, keep_out: bool = True,
 ) -> tuple[SamplingBatchInfo, SamplingRows]:
     """Per-row sampling tensors for `reqs` (stop_ids(r): the tokens min_new_tokens keeps out of
     r's output; asked only of rows below their min_new_tokens), and the static part to pass back
     as `cached` next step: reused while the batch holds the same requests in the same order, so
     a decode round of an unchanged batch builds and copies only what changes per step.
     `before`: a verification step's rows, the draft tokens each row's output would follow
-    (penalties count them, min_new_tokens counts them as output)."""
+    (penalties count them, min_new_tokens counts them as output). `keep_out=False` leaves
+    min_new_tokens' mask out of `info.forbidden`: the caller hands `keep_out_rows` to a
+    grammar's mask builder, which folds them into its own mask."""
     static = cached if cached is not None and cached.same_batch(reqs) else \
         SamplingRows.build(reqs, vocab_size, device)
     ps = [r.sampling_params for r in reqs]
@@ -74,23 +77,21 @@ def build_sampling_info(
     )
     if any(p.uses_penalties for p in ps):
         _add_penalties(info, reqs, vocab_size, device, before)
-    ahead = [0] * len(reqs) if before is None else [len(b) for b in before]
-    forbid = [
-        (i, sorted(ids))
-        for i, r in enumerate(reqs)
-        if len(r.output_ids) + r.in_flight + ahead[i] < r.sampling_params.min_new_tokens
-        and (ids := stop_ids(r))
-    ]
-    if forbid:
-        # A few ids per row: their flat positions go to the device, not a [bs, vocab] mask.
-        # (index_fill_, not `mask[rows, cols] = True`: that assignment waits for the device.)
-        flat = [i * vocab_size + t for i, ids in forbid for t in ids if t < vocab_size]
-        mask = torch.zeros((len(reqs), vocab_size), dtype=torch.bool, device=device)
-        if flat:
-            idx = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
-            mask.view(-1).index_fill_(0, idx, True)
-        info.forbidden = mask
+    if keep_out:
+        kept = keep_out_rows(reqs, stop_ids, before)
+        if kept:
+            info.forbidden = keep_out_mask(kept, len(reqs), vocab_size, device)
     return info, static
+
+
+def keep_out_rows(reqs: list[Req], stop_ids: Callable[[Req], set[int]],
+                  before: list[list[int]] | None = None) -> list[tuple[int, list[int]]]:
+    """(row, sorted stop ids) of each row below its min_new_tokens that has stop ids (the
+    arguments as `build_sampling_info`'s)."""
+    ahead = [0] * len(reqs) if before is None else [len(b) for b in before]
+    return [(i, sorted(ids)) for i, r in enumerate(reqs)
+            if len(r.output_ids) + r.in_flight + ahead[i] < r.sampling_params.min_new_tokens
+            and (ids := stop_ids(r))]
 
 
 def _add_penalties(info: SamplingBatchInfo, reqs: list[Req], vocab: int,

@@ -185,3 +185,46 @@ def test_xgrammar_prefetch_equals_per_row_checks(smollm2_tokenizer) -> None:
     pairs[0][0].rollback(n)
     pairs[0][1].rollback(n)
     assert check()[0] is False
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_packed_keep_out_equals_the_merged_masks(smollm2_tokenizer, backend: str) -> None:
+    """min_new_tokens' ids cleared in the packed rows give the mask of the general path (the
+    matcher's mask merged with a keep-out mask on the device): ids kept out of a free row and of
+    constrained rows, not out of a row they would leave empty (a finished pattern whose only
+    way on is the EOS), ids past the model's vocabulary ignored."""
+    import random
+
+    import torch
+
+    from srt.constrained.grammar import ConstraintSpec
+    from srt.constrained.mask import keep_out_mask, merge_forbidden
+    from srt.constrained.registry import create_grammar_backend
+
+    if backend == "llguidance":
+        pytest.importorskip("llguidance")
+    tok = smollm2_tokenizer
+    be = create_grammar_backend(backend, tok, tok.eos_token_id, len(tok), 8)
+    g = be.compile(ConstraintSpec("regex", "(yes|no)( indeed)?")).result()
+    ms = []
+    for text in ["yes indeed", None, "yes", "", "n"]:
+        m = None if text is None else g.matcher()
+        for t in tok.encode(text, add_special_tokens=False) if text else []:
+            assert m.accept(t)
+        ms.append(m)
+    # 3 ids short of the tokenizer: the packed rows' last word has padding bits
+    vocab = len(tok) - 3
+    rng = random.Random(5)
+    eos = tok.eos_token_id
+    keep_out = [(0, [eos]), (1, sorted(rng.sample(range(vocab), 40)) + [vocab + 1]),
+                (2, [eos, rng.randrange(vocab)]), (4, [eos])]
+    masks = be.mask_builder(vocab, torch.device("cpu"))
+    plain = masks.matcher_mask(ms).clone()
+    got = masks.batch(ms, keep_out).clone()
+    want = merge_forbidden(keep_out_mask(keep_out, len(ms), vocab, torch.device("cpu")), plain)
+    assert torch.equal(got, want)
+    # what the rows cover
+    assert (~got[0]).nonzero().flatten().tolist() == [eos]  # only the EOS: kept
+    assert int(got[1].sum()) == 40  # the free row
+    assert not plain[2, eos] and got[2, eos]  # "yes" may end, but not yet
+    assert torch.equal(got[3], plain[3]) and torch.equal(got[4], plain[4])
