@@ -59,12 +59,16 @@ def main() -> None:
     p.add_argument("--xgrammar-batch-fill-min-rows", type=int, default=None,
                    help="xgrammar fills the rows of a step on its threads from this many rows "
                    "(default: the backend's; a large value fills row by row)")
+    p.add_argument("--xgrammar-threads", type=int, default=None,
+                   help="threads of xgrammar's batched fill (default: the backend's)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    if a.xgrammar_batch_fill_min_rows is not None:
-        from srt.constrained.xgrammar_backend import XGrammarMatcher
+    from srt.constrained.xgrammar_backend import XGrammarMatcher
 
+    if a.xgrammar_batch_fill_min_rows is not None:
         XGrammarMatcher.BATCH_FILL_MIN_ROWS = a.xgrammar_batch_fill_min_rows
+    if a.xgrammar_threads is not None:
+        XGrammarMatcher.BATCH_FILL_THREADS = a.xgrammar_threads
 
     from srt.managers.io_struct import StepInput, TokenizedGenerateReq
     from srt.model_process.loop import ModelProcess

@@ -141,6 +141,8 @@ class XGrammarMatcher(BitmaskMatcher):
     # xgrammar's batched fill runs the rows on its own threads (one pool per process); below
     # this many rows the hand-off costs more than it saves.
     BATCH_FILL_MIN_ROWS = 4
+    # the batched fill's threads: "auto" is xgrammar's (half the hardware threads)
+    BATCH_FILL_THREADS: int | str = "auto"
     _batch: Any = None
 
     @classmethod
@@ -170,7 +172,8 @@ class XGrammarMatcher(BitmaskMatcher):
         if XGrammarMatcher._batch is None:
             import xgrammar as xgr
 
-            XGrammarMatcher._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+            XGrammarMatcher._batch = xgr.BatchGrammarMatcher(
+                max_threads=XGrammarMatcher.BATCH_FILL_THREADS)
         return XGrammarMatcher._batch
 
     def forced_bytes(self) -> bytes:
