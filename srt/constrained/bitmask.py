@@ -77,8 +77,8 @@ class BitmaskMasks(MaskBuilder):
                 rows.append(i)
         for cls, (ms, rows) in groups.items():
             cls.fill_bitmasks(ms, buf, rows)
-        for i, ids in keep_out:
-            self._keep_out(words[i], ids)
+        if keep_out:
+            self._keep_out(words.view(np.uint32), keep_out)
         packed = buf.to(self.device, non_blocking=True)
         bits = (packed.unsqueeze(-1) >> self.shifts) & 1
         return bits.view(len(matchers), -1)[:, : self.vocab_size] == 0
@@ -86,13 +86,16 @@ class BitmaskMasks(MaskBuilder):
     def matcher_mask(self, matchers: list[Matcher | None]) -> "torch.Tensor":
         return self.batch(matchers)
 
-    def _keep_out(self, row: np.ndarray, ids: Sequence[int]) -> None:
-        """Clear the bits of `ids` in the packed `row`, unless no token of the vocabulary
-        would be left allowed (then the row stays the matcher's)."""
-        t = np.fromiter((i for i in ids if i < self.vocab_size), dtype=np.int64)
-        if not len(t):
+    def _keep_out(self, words: np.ndarray, keep_out: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Clear the bits of each (row, ids) in the packed [bs, words] uint32 `words`, in one
+        numpy pass over the rows, except in a row it would leave no token of the vocabulary
+        (that row stays the matcher's)."""
+        rows = np.fromiter((i for i, _ in keep_out), dtype=np.int64, count=len(keep_out))
+        at = [(k, t) for k, (_, ids) in enumerate(keep_out) for t in ids if t < self.vocab_size]
+        if not at:
             return
-        cleared = row.view(np.uint32).copy()
-        np.bitwise_and.at(cleared, t >> 5, ~(np.uint32(1) << (t & 31).astype(np.uint32)))
-        if (cleared & self._in_vocab).any():
-            row.view(np.uint32)[:] = cleared
+        pos, ids = np.array(at, dtype=np.int64).T
+        cleared = words[rows]
+        np.bitwise_and.at(cleared, (pos, ids >> 5), ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+        ok = (cleared & self._in_vocab).any(axis=1)
+        words[rows[ok]] = cleared[ok]
