@@ -82,7 +82,8 @@ def test_closed_objects_leave_names_and_data_alone() -> None:
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
-def test_batched_mask_fill_equals_row_by_row(smollm2_tokenizer, backend: str) -> None:
+def test_batched_mask_fill_equals_row_by_row(smollm2_tokenizer, backend: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     from srt.constrained.grammar import ConstraintSpec
@@ -100,13 +101,10 @@ def test_batched_mask_fill_equals_row_by_row(smollm2_tokenizer, backend: str) ->
     for m in matchers[1:9:3]:
         assert m.accept(tok.encode("hello")[0])
     masks = be.mask_builder(len(tok), torch.device("cpu"))
+    monkeypatch.setattr(cls, "BATCH_FILL_MIN_ROWS", 2)  # the 9 rows on the backend's threads
     batched = masks.batch(matchers).clone()
-    saved = cls.BATCH_FILL_MIN_ROWS
-    cls.BATCH_FILL_MIN_ROWS = 10**9
-    try:
-        one_by_one = masks.batch(matchers).clone()
-    finally:
-        cls.BATCH_FILL_MIN_ROWS = saved
+    monkeypatch.setattr(cls, "BATCH_FILL_MIN_ROWS", 10**9)
+    one_by_one = masks.batch(matchers).clone()
     assert torch.equal(batched, one_by_one)
     assert not batched[-1].any()  # the unconstrained row forbids nothing
     assert batched[0].sum() != batched[1].sum()  # the rows differ by grammar and state
