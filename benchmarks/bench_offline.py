@@ -14,7 +14,9 @@ such), the KV bytes per token those of the pool's dtype, and with `--quantizatio
 linear layers' FLOPs go at the FP8 `_scaled_mm` rate, also measured here.
 
 Also printed: the host time per decode step by batch-size bucket during the run (rank 0's
-phase counters, `srt/model_process/step_timing.py`). `--compare-hf` then runs the first
+phase counters, `srt/model_process/step_timing.py`), and the run's longest model-loop rounds
+(`slow_rounds` of `/get_server_info`: a Triton compile inside the run shows as a round of
+seconds). `--compare-hf` then runs the first
 `--hf-requests` prompts (each `--hf-output-len` tokens out, ignore_eos, temperature 0.6) through
 srt and through transformers' continuous batching (`generate_batch`, the same random-weight
 shape), and prints the throughput ratio. `--input-len-cap` / `--output-len-cap` shrink the
@@ -33,8 +35,8 @@ import time
 import torch
 
 from benchmarks.common import Shape, add_engine_args, copy_bandwidth, decode_step_times, \
-    fp8_matmul_rate, hardware, matmul_rate, parse_with_server_args, print_table, start_engine, \
-    write_json, write_lora_adapters
+    fp8_matmul_rate, hardware, matmul_rate, parse_with_server_args, print_table, \
+    slow_rounds_since, start_engine, write_json, write_lora_adapters
 from benchmarks.hf_baseline import run_hf_generate_batch
 from srt.model_process.step_timing import PHASES, per_step_ms
 
@@ -151,12 +153,14 @@ def main() -> None:
         params = [{"temperature": 0.6, "ignore_eos": True, "max_new_tokens": n}
                   for n in out_lens]
         before = decode_step_times(engine)
+        began = time.time()  # (the model loop stamps its slow rounds with the wall clock)
         t = time.perf_counter()
         names = {"lora_path": [f"adapter{k % a.lora}" for k in range(len(prompts))]} \
             if a.lora else {}
         outs = engine.generate(input_ids=prompts, sampling_params=params, **names)
         wall = time.perf_counter() - t
         steps = per_step_ms(before, decode_step_times(engine))
+        slow = slow_rounds_since(engine, began)
         srt_hf = srt_fixed_len(engine, hf_prompts, a.hf_output_len) if a.compare_hf else None
     produced = sum(o["meta_info"]["completion_tokens"] for o in outs)
     assert produced == sum(out_lens), (produced, sum(out_lens))
@@ -180,6 +184,10 @@ def main() -> None:
     split = wall_split(wall, steps)
     print("where the wall time went:")
     print_table([split], list(split))
+    if slow["longest"]:
+        print(f"the run's longest rounds ({slow['kept']} of the kept ones over "
+              f"{slow['threshold_ms']:.0f} ms):")
+        print_table(slow["longest"], ["ms", "kind", "fill_tokens", "running"])
     compare = None
     if srt_hf is not None:
         hf = run_hf_generate_batch(a.shape, hf_prompts, a.hf_output_len, a.dtype)
@@ -192,7 +200,8 @@ def main() -> None:
     write_json(a.out, {"bench": "offline_w1", "argv": sys.argv, "hardware": hardware(),
                        "copy_bandwidth_Bps": bw, "matmul_flops": flops,
                        "fp8_matmul_flops": fp8_flops, **row,
-                       "decode_step_ms": steps, "wall_split": split, "compare_hf": compare})
+                       "decode_step_ms": steps, "wall_split": split, "slow_rounds": slow,
+                       "compare_hf": compare})
 
 
 if __name__ == "__main__":

@@ -276,6 +276,16 @@ def decode_step_times(engine: Any) -> dict[str, Any]:
     return engine.get_server_info()["decode_step_times"]
 
 
+def slow_rounds_since(engine: Any, since: float, top: int = 8) -> dict[str, Any]:
+    """Rank 0's longest model-loop rounds (over its 100 ms threshold; a round is one fill or a
+    few decode steps) that began at or after the wall-clock time `since`: the longest `top`,
+    and how many of those kept began then. A few rounds of seconds among many short ones are
+    Triton compiling a new specialization; uniformly long fill rounds are the fills' cost."""
+    slow = engine.get_server_info()["slow_rounds"]
+    rounds = [r for r in slow["longest"] if r["wall_time"] >= since]
+    return {"threshold_ms": slow["threshold_ms"], "kept": len(rounds), "longest": rounds[:top]}
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
