@@ -206,6 +206,18 @@ class FusedMoE(nn.Module):
         offset = 0 if shard_id == "w1" else n
         param.data[expert_id].narrow(0, offset, n).copy_(loaded.narrow(0, rank * n, n))
 
+    def warm_up(self, dtype: torch.dtype) -> bool:
+        """Compile the fused kernel's every tile configuration for these experts' shapes on
+        `dtype` activations (`warm_up_fused_moe`; nothing all-reduced). False where this layer
+        never takes the fused kernel (no CUDA or no Triton)."""
+        if not (self.w13_weight.is_cuda and _triton_available()):
+            return False
+        from srt.layers.moe_triton import warm_up_fused_moe
+
+        warm_up_fused_moe(self.w13_weight, self.w2_weight, self.top_k, dtype,
+                          self.w13_scale, self.w2_scale)
+        return True
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
                 reduce: bool = True) -> torch.Tensor:
         return self.compute(x, *route_topk(router_logits, self.top_k, self.renormalize),

@@ -31,17 +31,48 @@ class TileConfig:
     num_stages: int = 3
 
 
+# Every tile configuration `tile_config` returns: the start-up warm-up compiles each of them
+# (`warm_up_fused_moe`), since a fill is the first to need the larger ones.
+DECODE_TILES = TileConfig(16, 64, 128, 4, 4)
+MID_TILES = TileConfig(32, 64, 64, 4, 4)
+# fills of fine-grained experts (DeepSeek-V2-Lite's 64 x top 6 on one H100: 2,048 tokens
+# 1.47 ms against 1.61 with 64-row blocks, 8,192 tokens 3.27 against 3.87; bench_moe --sweep)
+FILL_TILES = TileConfig(128, 128, 64, 4, 3)
+LARGE_FILL_TILES = TileConfig(128, 128, 64, 8, 3)
+TILE_CONFIGS = (DECODE_TILES, MID_TILES, FILL_TILES, LARGE_FILL_TILES)
+
+
 def tile_config(num_pairs: int, num_experts: int) -> TileConfig:
     """Small row blocks while each expert gets few pairs (decode: the weights are read once per
     row block, so padding rows cost bandwidth), larger ones once the GEMMs are compute-bound."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 16:
-        return TileConfig(16, 64, 128, 4, 4)
+        return DECODE_TILES
     if per_expert <= 96:
-        return TileConfig(32, 64, 64, 4, 4)
-    # fills of fine-grained experts (DeepSeek-V2-Lite's 64 x top 6 on one H100: 2,048 tokens
-    # 1.47 ms against 1.61 with 64-row blocks, 8,192 tokens 3.27 against 3.87; bench_moe --sweep)
-    return TileConfig(128, 128, 64, 8 if per_expert > 256 else 4, 3)
+        return MID_TILES
+    return LARGE_FILL_TILES if per_expert > 256 else FILL_TILES
+
+
+def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, dtype: torch.dtype,
+                      w13_scale: torch.Tensor | None = None,
+                      w2_scale: torch.Tensor | None = None) -> list[tuple[TileConfig, int]]:
+    """Run `fused_moe_triton` on these experts once per tile configuration and per kind of
+    pair count Triton compiles apart (a multiple of 16 or not), on 16 and 15 random tokens of
+    `dtype`: the kernels a fill of any size takes are then compiled at start-up, not inside the
+    first fills that reach a larger configuration (seconds each). Returns the (configuration,
+    pair count) of each run."""
+    experts, hidden = w13.shape[0], w13.shape[2]
+    g = torch.Generator(device=w13.device).manual_seed(0)
+    runs: list[tuple[TileConfig, int]] = []
+    for cfg in TILE_CONFIGS:
+        for tokens in (16, 15):
+            x = torch.randn(tokens, hidden, generator=g, device=w13.device).to(dtype)
+            ids = torch.randint(0, experts, (tokens, top_k), generator=g, device=w13.device)
+            weights = torch.rand(tokens, top_k, generator=g, device=w13.device)
+            fused_moe_triton(x, w13, w2, weights, ids, cfg=cfg, w13_scale=w13_scale,
+                             w2_scale=w2_scale)
+            runs.append((cfg, tokens * top_k))
+    return runs
 
 
 @triton.jit

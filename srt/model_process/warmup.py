@@ -6,6 +6,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from srt.managers.io_struct import StepInput, TokenizedGenerateReq
 
 if TYPE_CHECKING:
@@ -19,8 +21,9 @@ def warm_up(p: ModelProcess) -> None:
     PREFILL batch of three prompts, then an EXTEND batch with and without a cached prefix; odd
     and even token counts), of sampling and of decode steps are compiled and loaded now rather
     than inside the first users' requests (a fill otherwise pays seconds of Triton
-    compilation). Every rank runs the same requests; the cache, the random generator and the
-    statistics are reset afterwards."""
+    compilation), then the fused MoE kernel's larger tile sizes, which only fills of a few
+    hundred tokens or more take (`warm_up_experts`). Every rank runs the same requests; the
+    cache, the random generator and the statistics are reset afterwards."""
     # Small enough for any pool and context that can serve anything at all.
     n = min(96, p.kv.pool.size // 8, p.config.context_len - 8)
     if n < 8:
@@ -54,9 +57,30 @@ def warm_up(p: ModelProcess) -> None:
     warm = None if embedding else getattr(p.runner.attn_backend, "warm_up_eager_decode", None)
     if warm is not None:
         warm(p.kv.req_pool.req_to_token, *p.kv.pool.get_kv_buffer(0))
+    moe_layers = warm_up_experts(p.runner.model, p.runner.dtype)
     p.graph_fill.off = graph_fill
     p.kv.tree.reset()
     p.rng.setstate(rng_state)
     p.arrivals = 0
     p.reset_stats()
-    logger.info("warm-up requests served in %.2f s", time.perf_counter() - t)
+    logger.info("warm-up requests served in %.2f s%s", time.perf_counter() - t,
+                f" (the fused MoE's tile sizes compiled for {moe_layers} expert shape(s))"
+                if moe_layers else "")
+
+
+def warm_up_experts(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Compile the fused MoE kernel's every tile configuration (`FusedMoE.warm_up`) once per
+    distinct expert shape of `model`: the warm-up's small fills take only the decode-sized
+    tiles, and a fill of a few hundred tokens or more would otherwise compile the larger ones
+    (seconds) while users wait. Returns the number of shapes compiled for."""
+    from srt.layers.moe import FusedMoE
+
+    seen: set[tuple] = set()
+    for m in model.modules():
+        if not isinstance(m, FusedMoE):
+            continue
+        key = (tuple(m.w13_weight.shape), tuple(m.w2_weight.shape), m.w13_weight.dtype,
+               m.top_k, m.fp8)
+        if key not in seen and m.warm_up(dtype):
+            seen.add(key)
+    return len(seen)

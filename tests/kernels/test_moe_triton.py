@@ -16,7 +16,8 @@ triton = pytest.importorskip("triton")
 
 from srt.layers.moe import moe_forward_torch, route_topk  # noqa: E402
 from srt.layers.moe_triton import (  # noqa: E402
-    TileConfig, align_pairs_by_expert, align_pairs_by_expert_torch, fused_moe_triton, tile_config)
+    TILE_CONFIGS, TileConfig, align_pairs_by_expert, align_pairs_by_expert_torch, fused_moe_triton,
+    tile_config)
 
 
 def _case(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
@@ -120,6 +121,44 @@ def test_fused_moe_every_tile_config(cfg: TileConfig) -> None:
 def test_tile_config_grows_with_pairs_per_expert() -> None:
     sizes = [tile_config(p, 8).block_m for p in (2, 128, 512, 8192)]
     assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
+
+
+def test_tile_config_picks_only_warmed_configs() -> None:
+    """Whatever a batch's pair count, the configuration is one the warm-up compiles, and each
+    of those is picked by some batch."""
+    picked = {tile_config(p, e) for e in (8, 64, 128) for p in range(1, 40_000, 7)}
+    assert picked == set(TILE_CONFIGS)
+
+
+def test_warm_up_runs_every_config_on_both_kinds_of_pair_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`warm_up_fused_moe` launches the grouped GEMMs under every tile configuration, each with
+    a pair count that is a multiple of 16 and one that is not (Triton compiles them apart), and
+    the results are finite."""
+    from srt.layers import moe_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    launched: list[tuple[TileConfig, int]] = []
+    outputs: list[torch.Tensor] = []
+    gemm, fused = moe_triton._grouped_gemm, moe_triton.fused_moe_triton
+
+    def spy_gemm(a, w, c, *args):
+        launched.append((args[-2], c.shape[0]))
+        return gemm(a, w, c, *args)
+
+    def spy_fused(*args, **kw):
+        outputs.append(fused(*args, **kw))
+        return outputs[-1]
+
+    monkeypatch.setattr(moe_triton, "_grouped_gemm", spy_gemm)
+    monkeypatch.setattr(moe_triton, "fused_moe_triton", spy_fused)
+    _, w13, w2, _, _ = _case(4, 6, 2, 48, 40, torch.float32, device, 3)
+    moe_triton.warm_up_fused_moe(w13, w2, 2, torch.float32)
+    for cfg in TILE_CONFIGS:
+        counts = {n for c, n in launched if c == cfg}
+        assert any(n % 16 == 0 for n in counts) and any(n % 16 for n in counts), (cfg, counts)
+    assert len(launched) == 2 * len(outputs)  # the gate/up and the down product of each run
+    assert all(o.isfinite().all() for o in outputs)
 
 
 @pytest.mark.gpu

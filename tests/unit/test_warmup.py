@@ -42,3 +42,32 @@ def test_warm_up_runs_every_path_and_leaves_nothing(monkeypatch) -> None:
     assert server.stats()["cache_hit_rate"] == 0 and server.counters.prompt_tokens == 0
     assert server.rng.getstate() == random.Random(0).getstate() and server.arrivals == 0
 
+
+
+def test_experts_warmed_once_per_shape(monkeypatch) -> None:
+    """The fused MoE's tile configurations are compiled once per distinct expert shape of the
+    model (every layer of one shape shares the compiled kernels), with the model's dtype."""
+    import torch
+
+    from srt.layers import parallel_state as ps
+    from srt.layers.moe import FusedMoE
+    from srt.model_process.warmup import warm_up_experts
+
+    monkeypatch.setattr(ps, "_group", ps.TPGroup(0, 1))
+    calls: list[tuple] = []
+
+    def spy(self, dtype):
+        calls.append((tuple(self.w13_weight.shape), self.top_k, dtype))
+        return True
+
+    monkeypatch.setattr(FusedMoE, "warm_up", spy)
+    model = torch.nn.ModuleList([FusedMoE(4, 2, 32, 64), FusedMoE(4, 2, 32, 64),
+                                 torch.nn.Linear(2, 2), FusedMoE(8, 2, 32, 48),
+                                 FusedMoE(4, 3, 32, 64)])
+    assert warm_up_experts(model, torch.bfloat16) == 3
+    assert calls == [((4, 128, 32), 2, torch.bfloat16), ((8, 96, 32), 2, torch.bfloat16),
+                     ((4, 128, 32), 3, torch.bfloat16)]
+    # without CUDA a layer never takes the fused kernel: nothing to compile
+    monkeypatch.undo()
+    monkeypatch.setattr(ps, "_group", ps.TPGroup(0, 1))
+    assert warm_up_experts(model, torch.float32) == 0
