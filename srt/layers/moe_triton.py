@@ -55,15 +55,13 @@ def tile_config(num_pairs: int, num_experts: int) -> TileConfig:
 
 def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, dtype: torch.dtype,
                       w13_scale: torch.Tensor | None = None,
-                      w2_scale: torch.Tensor | None = None) -> list[tuple[TileConfig, int]]:
+                      w2_scale: torch.Tensor | None = None) -> None:
     """Run `fused_moe_triton` on these experts once per tile configuration and per kind of
     pair count Triton compiles apart (a multiple of 16 or not), on 16 and 15 random tokens of
     `dtype`: the kernels a fill of any size takes are then compiled at start-up, not inside the
-    first fills that reach a larger configuration (seconds each). Returns the (configuration,
-    pair count) of each run."""
+    first fills that reach a larger configuration (seconds each)."""
     experts, hidden = w13.shape[0], w13.shape[2]
     g = torch.Generator(device=w13.device).manual_seed(0)
-    runs: list[tuple[TileConfig, int]] = []
     for cfg in TILE_CONFIGS:
         for tokens in (16, 15):
             x = torch.randn(tokens, hidden, generator=g, device=w13.device).to(dtype)
@@ -71,8 +69,6 @@ def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, dtype: to
             weights = torch.rand(tokens, top_k, generator=g, device=w13.device)
             fused_moe_triton(x, w13, w2, weights, ids, cfg=cfg, w13_scale=w13_scale,
                              w2_scale=w2_scale)
-            runs.append((cfg, tokens * top_k))
-    return runs
 
 
 @triton.jit

@@ -200,7 +200,7 @@ class StepExecutor:
             # a verification's rows: each its own state (after the drafts before it)
             row_matchers = plan.verify.matchers if plan.verify is not None \
                 and plan.verify.matchers is not None else [r.matcher for r in rows_reqs]
-            # min_new_tokens' stop tokens go into the grammar's mask (one mask, one merge)
+            # min_new_tokens' stop ids go to the mask builder, which folds them into its mask
             info.forbidden = self.masks.batch(
                 [None if r.finished else m for r, m in zip(rows_reqs, row_matchers)],
                 keep_out_rows(rows_reqs, self.stop_ids, before))
