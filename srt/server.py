@@ -279,6 +279,22 @@ def launch_server(args: ServerArgs) -> int:
     except (OSError, ValueError) as e:
         logger.error("%s", e)
         return 2
+    from srt.http.listen import bind_listeners
+
+    try:  # the port first: a taken one fails now, not after the model load
+        listeners = bind_listeners(args.host, args.port)
+    except OSError as e:
+        logger.error("%s", e)
+        return 2
+    try:
+        return _launch(args, listeners)
+    finally:
+        for sock in listeners:
+            sock.close()
+
+
+def _launch(args: ServerArgs, listeners: list[Any]) -> int:
+    """launch_server past the port's claim: serves on `listeners` (bound sockets)."""
     try:
         rt = start_runtime(args, "HTTP process")
     except (RuntimeError, KeyboardInterrupt) as e:
@@ -339,7 +355,7 @@ def launch_server(args: ServerArgs) -> int:
     settle_process(args.gc_warning_threshold_secs, "http")
     logger.info("ready: serving on http://%s:%d", args.host, args.port)
     try:
-        server.run()
+        server.run(sockets=listeners)
     finally:
         rt.stop()
     logger.info("stopped")

@@ -72,6 +72,10 @@ def free_port() -> int:
     return _free_port()
 
 
+class PortTaken(RuntimeError):
+    """The server's port was taken before the server could bind it."""
+
+
 @dataclass
 class ServerProcess:
     args: list[str]
@@ -85,6 +89,19 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 300.0) -> "ServerProcess":
+        """Start and wait for /health. The port is picked before the server binds it, so another
+        process can take it in between: the server then exits at once saying so (it claims its
+        port first, srt/http/listen.py), and the start is retried on a new port."""
+        for attempt in range(3):
+            try:
+                return self._start_once(timeout)
+            except PortTaken:
+                if attempt == 2:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> "ServerProcess":
         fd, self.log_path = tempfile.mkstemp(prefix="srt-server-", suffix=".log")
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -96,7 +113,10 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
+                log = self.log()
+                if self.proc.returncode == 2 and "cannot serve on" in log and "in use" in log:
+                    raise PortTaken(log)
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{log}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return self

@@ -120,3 +120,23 @@ def test_http_setup_failure_exits_and_stops_the_children(tmp_path: Any) -> None:
     assert "the HTTP server could not be set up" in err and "opentelemetry" in err
     assert len(seen) >= 3, seen  # the children had started
     assert not _all_gone(list(seen.values()), timeout=10)
+
+
+def test_taken_port_fails_the_start_before_any_child(smollm2_dir: str) -> None:
+    """The HTTP port is claimed first: a taken one ends the start at once with status 2 and
+    says which address, without loading a model or spawning a child."""
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "srt.server", "--port", str(port), *BASE_ARGS],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+            env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"cannot serve on 127.0.0.1:{port}" in proc.stderr and "in use" in proc.stderr
+    assert "starting srt" not in proc.stderr  # no child was started
+    assert time.monotonic() - start < 60
