@@ -23,6 +23,7 @@ import pstats
 import random
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -56,6 +57,10 @@ def main() -> None:
     p.add_argument("--memory", action="store_true",
                    help="print where the device memory went after start-up: weights, KV pool, "
                    "the largest other live tensors, the allocator's cache and the rest")
+    p.add_argument("--timed-fills", type=int, default=0, metavar="N",
+                   help="before everything else, N fills of --batch other prompts (W1's with "
+                   "--w1) that each stop after one token, timed apart without profilers: "
+                   "the wall time of a fill once its kernels are compiled")
     p.add_argument("--warm-fills", type=int, default=0, metavar="N",
                    help="before the profiled fill, N one-token requests of other random "
                    "tokens run to the end (so the profiled fill is a warm one)")
@@ -114,6 +119,39 @@ def memory_report(server) -> None:
         print(f"  {nbytes / gib:8.3f} GiB  {count:4d} x {shape} {dtype}")
 
 
+def timed_fills(server: Any, a: argparse.Namespace, rng: random.Random, rank: int) -> None:
+    """--timed-fills: fills of --batch prompts each (W1's from prompt 256 on with --w1, else
+    random), every request stopping after its first token; prints each fill's wall time."""
+    from srt.managers.io_struct import StepInput, TokenizedGenerateReq
+
+    vocab = Shape.of(a.shape).vocab
+    if a.w1:
+        from benchmarks.bench_offline import w1_workload
+
+        pool = w1_workload(256 + a.batch * a.timed_fills)[0][256:]
+    times, tokens = [], []
+    for i in range(a.timed_fills):
+        prompts = ([[t % vocab for t in x] for x in pool[i * a.batch:(i + 1) * a.batch]]
+                   if a.w1 else [[rng.randrange(2, vocab) for _ in range(a.input_len)]
+                                 for _ in range(a.batch)])
+        reqs = [TokenizedGenerateReq(f"t{i}.{j}", x, {"temperature": 0.0, "max_new_tokens": 1,
+                                                       "ignore_eos": True})
+                for j, x in enumerate(prompts)]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        server.step(StepInput(reqs=reqs))
+        while server.waiting or server.running:
+            server.step(StepInput())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+        tokens.append(sum(len(x) for x in prompts))
+    if rank == 0:
+        print("timed fills (ms, tokens): " + ", ".join(
+            f"{t:.1f} ({n})" for t, n in zip(times, tokens)))
+
+
 def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None) -> None:
     from srt.managers.io_struct import StepInput, TokenizedGenerateReq
     from srt.model_process.loop import ModelProcess
@@ -150,6 +188,8 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
                                   "max_new_tokens": 3 * a.steps + 100, "ignore_eos": True},
                                  lora_id=1 + i % a.lora if a.lora else 0)
             for i, x in enumerate(prompts)]
+    if a.timed_fills:
+        timed_fills(server, a, rng, rank)
     for i in range(a.warm_fills):
         warm = [rng.randrange(2, shape.vocab) for _ in range(a.input_len)]
         server.step(StepInput(reqs=[TokenizedGenerateReq(f"w{i}", warm, {
