@@ -23,7 +23,7 @@ import pstats
 import random
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -61,6 +61,12 @@ def main() -> None:
                    help="before everything else, N fills of --batch other prompts (W1's with "
                    "--w1) that each stop after one token, timed apart without profilers: "
                    "the wall time of a fill once its kernels are compiled")
+    p.add_argument("--fills-while-decoding", type=int, default=0, metavar="N",
+                   help="at the end, while the --batch requests decode: N fills of "
+                   "--fill-batch new prompts (W1's with --w1) that stop after one token, "
+                   "plain and then mixed (--enable-mixed-chunk), each followed by a decode "
+                   "step; prints each round's wall time and the GPU kernel time of the last")
+    p.add_argument("--fill-batch", type=int, default=2)
     p.add_argument("--warm-fills", type=int, default=0, metavar="N",
                    help="before the profiled fill, N one-token requests of other random "
                    "tokens run to the end (so the profiled fill is a warm one)")
@@ -265,6 +271,61 @@ def run_rank(rank: int, a: argparse.Namespace, model_dir: str, port: int | None)
           f"{server.runner.quantization} kv {server.runner.kv_cache_dtype}")
     print(f"wall per decode step {wall * 1e3:.3f} ms; GPU kernel time per step "
           f"{gpu_us / 1e3:.3f} ms; not covered by kernels {wall * 1e3 - gpu_us / 1e3:.3f} ms")
+    if a.fills_while_decoding and a.tp_size == 1:
+        fills_while_decoding(server, a, decode)
+
+
+def fills_while_decoding(server: Any, a: argparse.Namespace, decode: Callable[[int], float],
+                         ) -> None:
+    """--fills-while-decoding: rounds that fill --fill-batch new prompts while the running
+    batch decodes, plain (the running requests wait) and mixed (they take their next token in
+    the fill), timed with the device synchronized before and after; the last of each kind is
+    also profiled (GPU kernel time against wall time). One rank only (--tp-size 1)."""
+    from srt.managers.io_struct import StepInput, TokenizedGenerateReq
+
+    vocab = Shape.of(a.shape).vocab
+    n = a.fill_batch * a.fills_while_decoding
+    if a.w1:
+        from benchmarks.bench_offline import w1_workload
+
+        pool = [[t % vocab for t in x] for x in w1_workload(512 + 2 * n)[0][512:]]
+    else:
+        rng = random.Random(1)
+        pool = [[rng.randrange(2, vocab) for _ in range(a.input_len)] for _ in range(2 * n)]
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    for mixed in (False, True):
+        server.mixed = mixed
+        times, gpu_ms, tokens = [], 0.0, []
+        for i in range(a.fills_while_decoding):
+            k = (int(mixed) * a.fills_while_decoding + i) * a.fill_batch
+            prompts = pool[k:k + a.fill_batch]
+            reqs = [TokenizedGenerateReq(f"m{int(mixed)}.{i}.{j}", x, {
+                "temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True})
+                for j, x in enumerate(prompts)]
+            last = i == a.fills_while_decoding - 1
+            prof = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                    if last and torch.cuda.is_available() else contextlib.nullcontext())
+            decode(1)
+            server._decode_turn = False  # the round fills (the decode step just ran)
+            sync()
+            t = time.perf_counter()
+            with prof:
+                server.step(StepInput(reqs=reqs))  # one round: the fill (mixed or not)
+                sync()
+            times.append((time.perf_counter() - t) * 1e3)
+            tokens.append(sum(len(x) for x in prompts))
+            if last and torch.cuda.is_available():
+                events = prof.key_averages()
+                gpu_ms = sum(e.self_device_time_total for e in events) / 1e3
+                print(events.table(sort_by="self_device_time_total", row_limit=12))
+            assert not server.waiting, "the fill round left requests waiting"
+        print(f"fills while {len(server.running)} decode, {'mixed' if mixed else 'plain'}: "
+              f"wall ms (tokens) " + ", ".join(f"{t:.1f} ({k})" for t, k in zip(times, tokens))
+              + f"; the last one's GPU kernels {gpu_ms:.1f} ms (profiled wall {times[-1]:.1f})")
 
 
 if __name__ == "__main__":
