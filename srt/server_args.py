@@ -90,6 +90,16 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
         "Smaller bounds the streams' longest gap and costs long-prompt throughput (one H100, "
         "Llama-3-8B shape: longest gap 131 ms at 4096 for 0.9% of long-prompt throughput, "
         "73 ms at 2048 for 4.8%). -1: no separate cap.")
+    min_fill_tokens_while_decoding: int | None = _f(
+        None, "While requests are decoding and others wait for room, a fill that would "
+        "compute fewer new tokens than this (and does not take every waiting request) waits, "
+        "for at most --max-fill-wait-steps decode steps, until more requests fit: every "
+        "separate fill round reads the weights again, which for a MoE model (a fill of a few "
+        "hundred tokens reaches every expert) costs as much as a decode step. With nothing "
+        "waiting beyond the fill, or nothing decoding, a fill never waits. Default: 2048 for "
+        "MoE models, 0 (never wait) otherwise.")
+    max_fill_wait_steps: int = _f(
+        8, "Most decode steps a fill waits under --min-fill-tokens-while-decoding.")
     is_embedding: bool = _f(
         False, "Serve embeddings (/v1/embeddings, /encode): each input's vector pooled from the "
         "model's last hidden states as its sentence-transformers configuration says (default: "
@@ -367,6 +377,11 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
             raise ValueError("--graph-fill-max-tokens must be >= 0")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size must be >= 1, or -1 (no chunking)")
+        if (self.min_fill_tokens_while_decoding or 0) < 0:
+            raise ValueError("--min-fill-tokens-while-decoding must be >= 0, not "
+                             f"{self.min_fill_tokens_while_decoding}")
+        if self.max_fill_wait_steps < 0:
+            raise ValueError(f"--max-fill-wait-steps must be >= 0, not {self.max_fill_wait_steps}")
         if self.max_fill_tokens_while_decoding == 0 or self.max_fill_tokens_while_decoding < -1:
             raise ValueError("--max-fill-tokens-while-decoding must be >= 1, or -1 (no cap)")
         if self.ep_size not in (1, self.tp_size):

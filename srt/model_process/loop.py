@@ -45,10 +45,9 @@ from srt.model_process.executor import InFlight, StepExecutor
 from srt.model_process.graph_fill import GraphFill
 from srt.model_process.intake import handle_control, new_req
 from srt.model_process.kv import KVManager
-from srt.model_process.logprob_step import prefix_limit
 from srt.model_process.model_runner import ModelRunner
 from srt.model_process.output import OutputProcessor
-from srt.model_process.policy import TokenRatio, select_fill
+from srt.model_process.policy import FillWait, TokenRatio, fill_wait_tokens, next_fill
 from srt.model_process.retraction import make_room
 from srt.model_process.spec_chain import ChainStep, SpecChain, apply_chained, chain_step
 from srt.model_process.speculative import Speculator
@@ -83,6 +82,8 @@ class ModelProcess:
         self.decoding_chunk_size = min(cap, self.chunk_size or cap) if cap > 0 else self.chunk_size
         self.mixed = args.enable_mixed_chunk
         self._decode_turn = False  # running requests decode once before the next fill
+        self.fill_wait = FillWait(fill_wait_tokens(args, self.runner.model),
+                                  args.max_fill_wait_steps)
         self._emit: Callable[[BatchTokenIdOut], None] | None = None  # this round's
         self.ratio = TokenRatio.from_conservativeness(args.schedule_conservativeness)
         self.rng = random.Random(args.random_seed)
@@ -138,12 +139,7 @@ class ModelProcess:
         for r in self.constraints.resolve(self.waiting):
             self.waiting.remove(r)
             outs.append(self.output.token_out(r))
-        fill = []
-        if self.waiting and not self._decode_turn:
-            # While requests decode, a fill is held to --max-fill-tokens-while-decoding.
-            chunk = self.decoding_chunk_size if self.batch else self.chunk_size
-            fill = select_fill(self.waiting, self.running, self.kv, self.args, self.rng,
-                               self.ratio.value, prefix_limit, chunk)
+        fill = next_fill(self) if self.waiting and not self._decode_turn else []
         self._decode_turn = False
         fill_tokens = sum(r.extend_input_len for r in fill)
         if fill:

@@ -29,6 +29,7 @@ class Counters:
     prefill_chunks: int = 0  # fills that computed a chunk of a longer prompt
     overlapped_steps: int = 0  # decode steps launched before the previous one was read
     rounds_cut: int = 0  # decode rounds ended early because the next input was waiting
+    fills_waited: int = 0  # decode steps a small fill waited (--min-fill-tokens-while-decoding)
     timer: StepTimer = field(default_factory=StepTimer)
     last_log: float = field(default_factory=time.monotonic)
     generated_at_log: int = 0
@@ -86,6 +87,8 @@ def stats(p: ModelProcess) -> dict[str, Any]:
         "prefill_chunks": c.prefill_chunks,
         "chunked_prefill_size": p.chunk_size or -1,
         "max_fill_tokens_while_decoding": p.args.max_fill_tokens_while_decoding,
+        "min_fill_tokens_while_decoding": p.fill_wait.min_tokens,
+        "fill_wait_steps": c.fills_waited,
         "overlap_schedule": p.overlap,
         "max_running_requests": info.max_running_requests,
         "device": info.device,
