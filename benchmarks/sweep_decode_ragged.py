@@ -154,7 +154,7 @@ def main() -> None:
         for name in backends.split(","):
             if name != "triton":
                 add(name, case.backend(name))
-        del case
+        case = None  # its buffers go before the next batch size's
     best = []
     for bs in a.bs:
         mine = [r for r in rows if r["bs"] == bs]

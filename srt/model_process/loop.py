@@ -280,11 +280,11 @@ class ModelProcess:
         # With a grammar in the batch, the step before is read between this step's forward
         # and its sampling, so the masks see the tokens it sampled.
         read: list[bool] = []
-        before_sample = None
-        if prev is not None and any(r.matcher is not None for r in self.running):
-            def before_sample() -> None:
-                read.append(self._read(prev, outs, then=plan, deferred=True))
-        self.inflight = self.executor.launch(plan, before_sample)
+
+        def read_prev() -> None:
+            read.append(self._read(prev, outs, then=plan, deferred=True))
+        grammar = prev is not None and any(r.matcher is not None for r in self.running)
+        self.inflight = self.executor.launch(plan, read_prev if grammar else None)
         if self.spec is not None:
             self.spec.note_plain_step(plan.reqs)
         self.ratio.step()
