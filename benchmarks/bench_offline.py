@@ -161,6 +161,7 @@ def main() -> None:
         wall = time.perf_counter() - t
         steps = per_step_ms(before, decode_step_times(engine))
         slow = slow_rounds_since(engine, began)
+        fill_waits = engine.get_server_info()["fill_wait_steps"]
         srt_hf = srt_fixed_len(engine, hf_prompts, a.hf_output_len) if a.compare_hf else None
     produced = sum(o["meta_info"]["completion_tokens"] for o in outs)
     assert produced == sum(out_lens), (produced, sum(out_lens))
@@ -182,6 +183,7 @@ def main() -> None:
     print_table([row], list(row))
     print_step_times(steps)
     split = wall_split(wall, steps)
+    split["fill_wait_steps"] = fill_waits  # decode steps small fills waited for more requests
     print("where the wall time went:")
     print_table([split], list(split))
     if slow["longest"]:
