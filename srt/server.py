@@ -13,6 +13,7 @@ This process never imports the model runner, layers, models or kernels.
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -286,6 +287,8 @@ def launch_server(args: ServerArgs) -> int:
     except OSError as e:
         logger.error("%s", e)
         return 2
+    if args.port == 0:  # the port the kernel picked, for the logs and /get_server_info
+        args = dataclasses.replace(args, port=listeners[0].getsockname()[1])
     try:
         return _launch(args, listeners)
     finally:

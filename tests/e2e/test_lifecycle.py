@@ -140,3 +140,37 @@ def test_taken_port_fails_the_start_before_any_child(smollm2_dir: str) -> None:
     assert f"cannot serve on 127.0.0.1:{port}" in proc.stderr and "in use" in proc.stderr
     assert "starting srt" not in proc.stderr  # no child was started
     assert time.monotonic() - start < 60
+
+
+def test_port_zero_serves_on_the_port_it_logs(smollm2_dir: str, tmp_path: Any) -> None:
+    """--port 0: the kernel picks the port, and the ready line names that port (not 0)."""
+    import re
+
+    import requests
+
+    log = tmp_path / "server.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "srt.server", "--port", "0", *BASE_ARGS,
+             "--max-total-tokens", "2048"],
+            cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+            env=dict(os.environ, PYTHONPATH=REPO))
+    try:
+        deadline, port = time.monotonic() + 180, None
+        while port is None and time.monotonic() < deadline and proc.poll() is None:
+            m = re.search(r"ready: serving on http://127\.0\.0\.1:(\d+)", log.read_text())
+            port = int(m.group(1)) if m else None
+            time.sleep(0.3)
+        assert port, log.read_text()[-2000:]
+        assert port != 0
+        for _ in range(50):  # the ready line comes just before uvicorn serves
+            try:
+                assert requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+                break
+            except requests.ConnectionError:
+                time.sleep(0.2)
+        else:
+            raise AssertionError(f"nothing served on {port}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
