@@ -309,14 +309,25 @@ def fills_while_decoding(server: Any, a: argparse.Namespace, decode: Callable[[i
             last = i == a.fills_while_decoding - 1
             prof = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                     if last and torch.cuda.is_available() else contextlib.nullcontext())
+            # the round before the last: its host functions (cProfile, no device profiler)
+            host = cProfile.Profile() if i == a.fills_while_decoding - 2 else None
             decode(1)
             server._decode_turn = False  # the round fills (the decode step just ran)
             sync()
             t = time.perf_counter()
             with prof:
+                if host is not None:
+                    host.enable()
                 server.step(StepInput(reqs=reqs))  # one round: the fill (mixed or not)
                 sync()
+                if host is not None:
+                    host.disable()
             times.append((time.perf_counter() - t) * 1e3)
+            if host is not None:
+                s = io.StringIO()
+                pstats.Stats(host, stream=s).sort_stats("tottime").print_stats(a.top)
+                print(f"host functions of a {'mixed' if mixed else 'plain'} round "
+                      f"(cProfile, wall {times[-1]:.1f} ms):\n" + s.getvalue())
             tokens.append(sum(len(x) for x in prompts))
             if last and torch.cuda.is_available():
                 events = prof.key_averages()

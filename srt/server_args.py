@@ -152,6 +152,13 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
         "token costs one graph replay instead of an eager forward's launches. 0 turns it off; "
         "default 256 where decode graphs are captured (capped at --cuda-graph-max-bs), else "
         "0. On the CPU a value runs the same rows eagerly.")
+    prefill_graph_max_tokens: int | None = _f(
+        None, "PREFILL steps (fills of new prompts, no cached prefix) of up to this many new "
+        "tokens replay CUDA graphs captured at start-up for token counts from 512 up (a fill is "
+        "padded to the next one): the launches of an eager fill, which bind a model of many "
+        "small kernels to the host, become one replay. 0 turns it off; default 4096 for "
+        "models of fine-grained experts (more than 16 a rank) where decode graphs are "
+        "captured and attention runs on Triton, else 0.")
     random_seed: int | None = _f(None, "Seed of the sampler (default: random).")
     stream_interval: int = _f(1, "Tokens per streamed chunk.")
     served_model_name: str | None = _f(None, "Model name of the OpenAI API (default: the "
@@ -375,6 +382,8 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
             raise ValueError("--cuda-graph-max-bs must be >= 1")
         if self.graph_fill_max_tokens is not None and self.graph_fill_max_tokens < 0:
             raise ValueError("--graph-fill-max-tokens must be >= 0")
+        if self.prefill_graph_max_tokens is not None and self.prefill_graph_max_tokens < 0:
+            raise ValueError("--prefill-graph-max-tokens must be >= 0")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size must be >= 1, or -1 (no chunking)")
         if (self.min_fill_tokens_while_decoding or 0) < 0:

@@ -81,6 +81,10 @@ class ForwardBatch:
     # An EAGLE draft head's step only: the features of each row (the target's hidden states,
     # or the head's own from the draft step before).
     spec_hidden: torch.Tensor | None = None
+    # EXTEND/PREFILL only: the rows whose logits the forward returns, one per request (device;
+    # None: each request's last new token, from extend_lens_cpu). Set by the prefill graphs,
+    # whose requests' lengths are not known when the graph is captured.
+    sample_rows: torch.Tensor | None = None
     # The step's rows that use LoRA adapters, grouped by pool slot (srt.lora.layers.
     # LoraBatchInfo); None: no row uses one.
     lora: Any = None

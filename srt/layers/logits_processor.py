@@ -32,8 +32,11 @@ class LogitsProcessor(nn.Module):
         if fb.forward_mode.is_extend():
             if fb.prompt_logprobs is not None:
                 self._prompt_logprobs(hidden, lm_head_weight, fb.prompt_logprobs)
-            ends = torch.tensor(fb.extend_lens_cpu, device=hidden.device).cumsum(0) - 1
-            hidden = hidden[ends]
+            if fb.sample_rows is not None:
+                hidden = hidden.index_select(0, fb.sample_rows)
+            else:
+                ends = torch.tensor(fb.extend_lens_cpu, device=hidden.device).cumsum(0) - 1
+                hidden = hidden[ends]
         return self._logits(hidden, lm_head_weight)
 
     def _logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,11 @@ from srt.layers.forward_batch import ForwardBatch, forward_context
 from srt.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from srt.layers.radix_attention import RadixAttention
 from srt.model_process.cuda_graph_runner import CudaGraphRunner
+from srt.model_process.prefill_graph_runner import (
+    PrefillGraphRunner,
+    prefill_graph_tokens,
+)
+from srt.model_process.prefill_graph_runner import supported as prefill_graphs_supported
 from srt.memory_pool import ReqToTokenPool, TokenToKVPool
 from srt.model_config import ModelConfig
 from srt.models.loader import init_dummy_weights, iterate_safetensors
@@ -204,6 +209,7 @@ class ModelRunner:
         self.sampler_generator = torch.Generator(device=self.device)
         self.sampler_generator.manual_seed(args.random_seed or 0)
         self.graph_runner: CudaGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphRunner | None = None
         if self.device.type == "cuda" and not args.disable_cuda_graph and self.use_cuda_graphs \
                 and not args.is_embedding:  # (embeddings never decode)
             if self.attn_backend.supports_cuda_graph:
@@ -215,6 +221,31 @@ class ModelRunner:
             else:
                 logger.info("attention backend %s has no CUDA graph support: decoding without",
                             self.backend_name)
+        self._init_prefill_graphs()
+
+    def _init_prefill_graphs(self) -> None:
+        """PREFILL graphs (srt.model_process.prefill_graph_runner) where --prefill-graph-max-
+        tokens asks for them, captured in the decode graphs' memory pool. Only beside decode
+        graphs, except on the CPU with the flag set: there the same padded steps run eagerly
+        (how the tests check them). Never for a draft model's runner, a target with a draft
+        (the draft mirrors the target's fills eagerly) or embeddings."""
+        if (getattr(self, "target", None) is not None or self.draft is not None
+                or self.pooling is not None):
+            return
+        eager = self.graph_runner is None
+        if eager and (self.device.type != "cpu" or not self.args.prefill_graph_max_tokens):
+            return
+        tokens = prefill_graph_tokens(self.args, self)
+        if tokens <= 0:
+            return
+        if not prefill_graphs_supported(self):
+            logger.info("no prefill graphs: the attention backend (%s) or a layer's window or "
+                        "cap does not allow them", self.backend_name)
+            return
+        self.prefill_graphs = PrefillGraphRunner(self, tokens, self._model_forward,
+                                                 replay=not eager)
+        if not eager:
+            self.graph_runner.mempool = self.prefill_graphs.capture(self.graph_runner.mempool)
 
     def _check_fp8_support(self) -> None:
         """Triton's e4m3 needs compute capability 8.9 (Ada, Hopper) or newer: refuse an e4m3 KV
@@ -375,6 +406,8 @@ class ModelRunner:
         """Float32 logits [batch, vocab] of each request's next token."""
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.replay(fb)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(fb):
+            return self.prefill_graphs.run(fb)
         self.attn_backend.init_forward_metadata(fb)
         with forward_context(fb):
             return self._model_forward(fb)

@@ -83,6 +83,10 @@ def stats(p: ModelProcess) -> dict[str, Any]:
         "decode_rounds_ended_for_input": c.rounds_cut,
         "graph_fill_steps": c.graph_fills,
         "graph_fill_max_tokens": p.graph_fill.max_tokens if not p.graph_fill.off else 0,
+        "prefill_graph_steps": 0 if p.runner.prefill_graphs is None
+        else p.runner.prefill_graphs.replays,
+        "prefill_graph_max_tokens": 0 if p.runner.prefill_graphs is None
+        else p.runner.prefill_graphs.max_tokens,
         "slow_rounds": c.slow_rounds.snapshot(),
         "prefill_chunks": c.prefill_chunks,
         "chunked_prefill_size": p.chunk_size or -1,

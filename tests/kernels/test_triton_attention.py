@@ -37,6 +37,7 @@ from srt.layers.attention.triton_ops import (  # noqa: E402
     decode_workspace,
     extend_attention_fwd,
 )
+from srt.layers.attention.triton_ops.prefill_attention import BlockTables  # noqa: E402
 from srt.layers.attention.triton_ops.decode_attention import (  # noqa: E402
     DECODE_MAX_KV_SPLITS,
     DECODE_MIN_TOKENS_PER_SPLIT,
@@ -170,14 +171,19 @@ def ivec(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
 
 def run_prefill_case(lens: list[int], heads: int, kv_heads: int, d: int, dtype: torch.dtype,
                      seed: int, idx_dtype: torch.dtype = torch.int32, ref=reference,
-                     **blocks: int) -> float:
+                     tables: BlockTables | None = None, **blocks: int) -> float:
+    """With `tables`, the programs come from them (filled for `lens`) and max_input_len is
+    passed as 1: a kernel that still read it would leave most rows unwritten (NaN)."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = fused_qkv(sum(lens), heads, kv_heads, d, dtype, g)
     o = torch.full(q.shape, NAN, dtype=dtype, device=DEV)
     starts = [sum(lens[:i]) for i in range(len(lens))]
     scale = d ** -0.5
-    context_attention_fwd(q, k, v, o, ivec(starts, idx_dtype), ivec(lens, idx_dtype), max(lens),
-                          scale, **blocks)
+    if tables is not None:
+        tables.fill(lens)
+    context_attention_fwd(q, k, v, o, ivec(starts, idx_dtype), ivec(lens, idx_dtype),
+                          max(lens) if tables is None else 1, scale, block_tables=tables,
+                          **blocks)
     want = torch.cat([ref(q[s:s + n], k[s:s + n], v[s:s + n], 0, scale)
                       for s, n in zip(starts, lens)])
     return rel_err(o, want)
@@ -198,6 +204,33 @@ def test_prefill_matches_reference(dtype: torch.dtype, d: int) -> None:
 def test_prefill_default_tiles(dtype: torch.dtype) -> None:
     err = run_prefill_case([3, 70, 33], 4, 1, 128, dtype, seed=5)
     assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_block_tables_match_reference(dtype: torch.dtype) -> None:
+    """The grid of a prefill graph: programs from a block table sized for more tokens and
+    requests than the batch has (entries -1 past its blocks), refilled for a second batch."""
+    tables = BlockTables(96, 6, torch.device(DEV))
+    for seed, lens in enumerate(([1, 17, 40], [33, 2, 16, 5, 9])):
+        err = run_prefill_case(lens, 4, 2, 64, dtype, seed=seed, tables=tables, block_m=16,
+                               block_n=SMALL_BLOCK_N)
+        assert err < TOL[dtype], err
+    assert set(tables.tables) == {16}
+
+
+def test_block_table_entries() -> None:
+    tables = BlockTables(100, 4, torch.device("cpu"))
+    entries = tables.entries([40, 1, 17], 16)
+    assert len(entries) == tables.size(16) == 7 + 4
+    blocks = [(e >> 16, e & 0xFFFF) for e in entries if e >= 0]
+    # every query block once, the ones with the most keys first
+    assert sorted(blocks) == [(0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1)]
+    assert [b for _, b in blocks] == sorted((b for _, b in blocks), reverse=True)
+    assert entries[len(blocks):] == [-1] * (len(entries) - len(blocks))
+    with pytest.raises(ValueError, match="exceed"):
+        tables.entries([60, 50], 16)
+    with pytest.raises(ValueError, match="exceed"):
+        tables.entries([1] * 5, 16)
 
 
 def test_prefill_poisoned_output_is_detected() -> None:

@@ -33,7 +33,7 @@ def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             v = F.pad(v, (0, q.shape[-1] - dv))
         o = torch.empty_like(q)
         context_attention_fwd(q, k, v, o, meta.extend_start_loc, meta.extend_lens,
-                              meta.max_len_extend, scale)
+                              meta.max_len_extend, scale, block_tables=meta.block_tables)
         return o[..., :dv]
     out = q.new_empty(q.shape[0], q.shape[1], dv)
     start = 0

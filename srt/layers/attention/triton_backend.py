@@ -44,6 +44,9 @@ class TritonExtendMetadata:
     extend_lens: torch.Tensor  # [bs] int32, device
     extend_start_loc: torch.Tensor  # [bs] int32, device
     max_len_extend: int
+    # PREFILL graphs: the prefill kernel's programs from these tables (prefill_attention.
+    # BlockTables), a grid the lengths do not change; None: from max_len_extend
+    block_tables: Any = None
 
 
 @dataclass
@@ -233,7 +236,7 @@ class TritonAttnBackend(AttentionBackend):
         if fb.forward_mode == ForwardMode.PREFILL and plain:
             context_attention_fwd(
                 q, k, v, o, meta.extend_start_loc, meta.extend_lens, meta.max_len_extend,
-                layer.scaling,
+                layer.scaling, block_tables=meta.block_tables,
             )
         else:
             k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)

@@ -183,6 +183,7 @@ def _online_softmax_step_masked(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: t
 def _prefill_fwd_kernel(
     Q, K, V, O,
     B_Start_Loc, B_Seq_Len,
+    Blocks,  # TABLE: the query blocks, request << 16 | block index, -1 past the last
     qk_scale,  # sm_scale * log2(e)
     stride_qt, stride_qh,
     stride_kt, stride_kh,
@@ -195,12 +196,22 @@ def _prefill_fwd_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
     # grid (heads, bs, query blocks): the heads of one KV group run side by side (K/V reuse in
-    # L2), and the last, most expensive query blocks of the causal triangle are launched first
+    # L2), and the last, most expensive query blocks of the causal triangle are launched first.
+    # TABLE: grid (heads, table entries), each entry naming its request and query block (a
+    # grid fixed by the table's size, as a CUDA graph needs).
     cur_head = tl.program_id(0)
-    cur_batch = tl.program_id(1)
-    start_m = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
+    if TABLE:
+        entry = tl.load(Blocks + tl.program_id(1))
+        if entry < 0:
+            return
+        cur_batch = entry >> 16
+        start_m = (entry & 0xFFFF) * BLOCK_M
+    else:
+        cur_batch = tl.program_id(1)
+        start_m = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
     cur_kv_head = cur_head // KV_GROUP
 
     seq_len = tl.load(B_Seq_Len + cur_batch).to(tl.int32)
@@ -270,12 +281,15 @@ def context_attention_fwd(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    block_tables: "BlockTables | None" = None,
 ) -> None:
     """Causal attention of packed prompts, written into `o`.
 
     q, o: [T, H, D]; k, v: [T, Hkv, D] (Hkv divides H; any row/head strides, head_dim
     contiguous). b_start_loc, b_seq_len: [bs] int32/int64 device tensors; max_input_len: a host
     int >= max(b_seq_len). Rows of `o` not covered by any request are left untouched.
+    `block_tables`: the programs come from its table of this call's BLOCK_M (`BlockTables`)
+    rather than from max_input_len: a launch whose grid the host never changes (CUDA graphs).
     """
     group = check_heads(q, k)
     check_layout(q, k, v, o)
@@ -290,10 +304,12 @@ def context_attention_fwd(
     block_n = block_n or default_n
     if block_m % block_n:
         raise ValueError("block_m must be a multiple of block_n")
-    grid = (heads, bs, triton.cdiv(max_input_len, block_m))
+    table = None if block_tables is None else block_tables.table(block_m)
+    grid = ((heads, bs, triton.cdiv(max_input_len, block_m)) if table is None
+            else (heads, table.shape[0], 1))
     _prefill_fwd_kernel[grid](
         q, k, v, o,
-        b_start_loc, b_seq_len,
+        b_start_loc, b_seq_len, table if table is not None else b_seq_len,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
@@ -306,9 +322,54 @@ def context_attention_fwd(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST=interpret_upcast(q.dtype),
+        TABLE=table is not None,
         num_warps=PREFILL_NUM_WARPS,
         num_stages=pipeline_stages(q.dtype, head_dim, PREFILL_NUM_STAGES),
     )
 
 
-__all__ = ["context_attention_fwd"]
+class BlockTables:
+    """The query blocks of one batch of prompts, for grids the host never changes.
+
+    A table of BLOCK_M rows per block lists every (request, query block) of the batch as
+    `request << 16 | block`, the blocks at the end of long prompts (the most keys) first, then
+    -1 up to its fixed size `ceil(max_tokens / BLOCK_M) + max_requests` (each request adds at
+    most one partial block). Tables live on the device at fixed addresses: `table(block_m)`
+    makes one the first time a kernel asks for that block size (before a graph is captured),
+    `fill(seq_lens)` rewrites every table for a new batch."""
+
+    def __init__(self, max_tokens: int, max_requests: int, device: torch.device) -> None:
+        if max_tokens >= (1 << 16) * 16 or max_requests >= 1 << 15:
+            raise ValueError("a block table holds fewer than 2^15 requests of 2^20 tokens")
+        self.max_tokens, self.max_requests, self.device = max_tokens, max_requests, device
+        self.tables: dict[int, torch.Tensor] = {}
+        self.seq_lens: list[int] = []
+
+    def size(self, block_m: int) -> int:
+        return -(-self.max_tokens // block_m) + self.max_requests
+
+    def table(self, block_m: int) -> torch.Tensor:
+        if block_m not in self.tables:
+            t = torch.tensor(self.entries(self.seq_lens, block_m), dtype=torch.int32)
+            self.tables[block_m] = t.to(self.device)
+        return self.tables[block_m]
+
+    def entries(self, seq_lens: list[int], block_m: int) -> list[int]:
+        """The table of `seq_lens` (request i has seq_lens[i] rows) for `block_m`-row blocks."""
+        if sum(seq_lens) > self.max_tokens or len(seq_lens) > self.max_requests:
+            raise ValueError(f"{len(seq_lens)} prompts of {sum(seq_lens)} tokens exceed the "
+                             f"table's {self.max_requests} of {self.max_tokens}")
+        blocks = [(b, i) for i, n in enumerate(seq_lens) for b in range(-(-n // block_m))]
+        blocks.sort(key=lambda bi: -bi[0])
+        out = [i << 16 | b for b, i in blocks]
+        return out + [-1] * (self.size(block_m) - len(out))
+
+    def fill(self, seq_lens: list[int]) -> None:
+        """Every table made so far rewritten for `seq_lens` (one host-to-device copy each)."""
+        self.seq_lens = list(seq_lens)
+        for block_m, t in self.tables.items():
+            t.copy_(torch.tensor(self.entries(self.seq_lens, block_m), dtype=torch.int32),
+                    non_blocking=True)
+
+
+__all__ = ["BlockTables", "context_attention_fwd"]
