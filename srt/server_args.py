@@ -378,19 +378,13 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
             raise ValueError("--max-total-tokens must be >= 16")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
-        if self.cuda_graph_max_bs < 1:
-            raise ValueError("--cuda-graph-max-bs must be >= 1")
-        if self.graph_fill_max_tokens is not None and self.graph_fill_max_tokens < 0:
-            raise ValueError("--graph-fill-max-tokens must be >= 0")
-        if self.prefill_graph_max_tokens is not None and self.prefill_graph_max_tokens < 0:
-            raise ValueError("--prefill-graph-max-tokens must be >= 0")
+        for name in ("graph_fill_max_tokens", "prefill_graph_max_tokens",
+                     "min_fill_tokens_while_decoding", "max_fill_wait_steps"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, not "
+                                 f"{getattr(self, name)}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size must be >= 1, or -1 (no chunking)")
-        if (self.min_fill_tokens_while_decoding or 0) < 0:
-            raise ValueError("--min-fill-tokens-while-decoding must be >= 0, not "
-                             f"{self.min_fill_tokens_while_decoding}")
-        if self.max_fill_wait_steps < 0:
-            raise ValueError(f"--max-fill-wait-steps must be >= 0, not {self.max_fill_wait_steps}")
         if self.max_fill_tokens_while_decoding == 0 or self.max_fill_tokens_while_decoding < -1:
             raise ValueError("--max-fill-tokens-while-decoding must be >= 1, or -1 (no cap)")
         if self.ep_size not in (1, self.tp_size):
@@ -399,10 +393,6 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
         if self.is_embedding and self.speculative_algorithm is not None:
             raise ValueError("--is-embedding serves no generated tokens: speculative decoding "
                              "does not apply")
-        if self.stream_interval < 1:
-            raise ValueError("--stream-interval must be >= 1")
-        if self.jump_forward_min_tokens < 1:
-            raise ValueError("--jump-forward-min-tokens must be >= 1")
         if self.schedule_conservativeness <= 0:
             raise ValueError("--schedule-conservativeness must be > 0")
         if self.watchdog_timeout <= 0:
@@ -434,7 +424,8 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
             FaultSpec.parse(self.fault)
         positive = ("max_request_body_bytes", "max_batch_prompts", "max_n", "max_stop_strings",
                     "max_stop_string_length", "max_regex_length", "max_json_schema_bytes",
-                    "max_ebnf_bytes", "max_image_bytes", "max_image_pixels", "max_queued_requests")
+                    "max_ebnf_bytes", "max_image_bytes", "max_image_pixels", "max_queued_requests",
+                    "cuda_graph_max_bs", "stream_interval", "jump_forward_min_tokens")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
