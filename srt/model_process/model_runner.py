@@ -242,10 +242,15 @@ class ModelRunner:
             logger.info("no prefill graphs: the attention backend (%s) or a layer's window or "
                         "cap does not allow them", self.backend_name)
             return
-        self.prefill_graphs = PrefillGraphRunner(self, tokens, self._model_forward,
-                                                 replay=not eager)
+        graphs = PrefillGraphRunner(self, tokens, self._model_forward, replay=not eager)
         if not eager:
-            self.graph_runner.mempool = self.prefill_graphs.capture(self.graph_runner.mempool)
+            try:
+                self.graph_runner.mempool = graphs.capture(self.graph_runner.mempool)
+            except RuntimeError as e:  # e.g. a layer that reads a device value on the host
+                torch.cuda.synchronize(self.device)
+                logger.warning("prefill graphs could not be captured, fills run eagerly: %s", e)
+                return
+        self.prefill_graphs = graphs
 
     def _check_fp8_support(self) -> None:
         """Triton's e4m3 needs compute capability 8.9 (Ada, Hopper) or newer: refuse an e4m3 KV
