@@ -18,6 +18,7 @@ import triton.language as tl
 from srt.layers.fused_triton import silu_and_mul
 
 BLOCK_M = 16  # the default row block (pairs of one expert per program)
+GROUP_M = 8  # row blocks whose programs sweep the column blocks together (L2 reuse)
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,23 @@ def _grouped_gemm_kernel(
     A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
     W_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """c[pair] = a[pair // A_ROW_DIV] @ w[expert of the block]^T (times weight[pair]). With
     W_SCALE, w is FP8 and row n of expert e stands for w[e, n] * scale[e, n]."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # One program per (row block, column block), in groups of GROUP_M row blocks that sweep
+    # every column block together: the gathered rows of a group stay in L2 while all of N
+    # reads them (row blocks first, all of them per column block, re-read the whole [pairs, K]
+    # input from memory once per column block: a 4,096-token fill of Qwen3-30B-A3B's experts
+    # took 1.36 ms a layer, 30% of its floor).
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = tl.num_programs(0) // num_pid_n
+    group = pid // (GROUP_M * num_pid_n)
+    first_m = group * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_m
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_m
     # Each expert's run starts with real pairs, so a block whose first entry is padding holds
     # only padding: skip it rather than read an expert's weights for nothing.
     if tl.load(sorted_pairs_ptr + pid_m * BLOCK_M) >= num_pairs:
@@ -218,7 +231,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, weights: to
     n, k = w.shape[1], w.shape[2]
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
-    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    grid = (block_expert.numel() * triton.cdiv(n, block_n),)
     _grouped_gemm_kernel[grid](
         a, w, c, weights, sorted_pairs, block_expert, scale if scale is not None else weights,
         num_pairs, n, k,
@@ -226,7 +239,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, weights: to
         scale.stride(0) if scale is not None else 0,
         A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, IEEE=a.dtype == torch.float32,
         W_SCALE=scale is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -82,6 +82,7 @@ def test_align_kernel_equals_torch_layout(tokens: int, top_k: int, experts: int,
 
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [
     (1, 4, 2, 32, 48), (7, 4, 2, 32, 48), (19, 8, 2, 48, 40), (5, 3, 3, 16, 16), (33, 8, 1, 32, 32),
+    (29, 6, 2, 160, 72),  # three column blocks each way, a partial group of row blocks
 ])
 def test_fused_moe_matches_torch_small(tokens: int, experts: int, top_k: int, hidden: int,
                                        inter: int) -> None:
