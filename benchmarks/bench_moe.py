@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 
 from benchmarks.common import (  # noqa: E402
     copy_bandwidth, cuda_time_ms, default_device, hardware, matmul_rate, print_table, write_json)
+from srt.layers import moe_triton  # noqa: E402
 from srt.layers.moe import moe_forward_torch, route_topk  # noqa: E402
 from srt.layers.moe_triton import TileConfig, fused_moe_triton, tile_config  # noqa: E402
 
@@ -39,6 +40,10 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--inter", type=int, default=14336, help="intermediate size per rank")
     p.add_argument("--sweep", action="store_true", help="also time a grid of tile configs")
+    p.add_argument("--group-m", type=int, nargs="*", default=[],
+                   help="also time the picked tiles with these row-block groups "
+                   "(moe_triton.GROUP_M; 1048576: every row block per column block, the "
+                   "order before grouping)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     device = default_device()
@@ -64,6 +69,11 @@ def main() -> None:
                "bound": "bytes" if bytes_ms >= flops_ms else "flops", "triton_ms": fused,
                "torch_ms": ref, "floor_pct": 100 * floor / fused, "vs_torch": ref / fused,
                "config": _name(cfg)}
+        for gm in a.group_m:
+            default_gm, moe_triton.GROUP_M = moe_triton.GROUP_M, gm
+            row[f"group_m_{gm}_ms"] = cuda_time_ms(
+                lambda: fused_moe_triton(x, w13, w2, weights, ids))
+            moe_triton.GROUP_M = default_gm
         if a.sweep:
             times = {}
             for c in SWEEP:
@@ -80,7 +90,8 @@ def main() -> None:
         rows.append(row)
         print(f"tokens={t} done", flush=True)
     cols = ["tokens", "active_experts", "floor_ms", "bound", "triton_ms", "torch_ms",
-            "floor_pct", "vs_torch", "config"] + (["best_ms", "best_config"] if a.sweep else [])
+            "floor_pct", "vs_torch", "config"] + [f"group_m_{gm}_ms" for gm in a.group_m] + (
+                ["best_ms", "best_config"] if a.sweep else [])
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, matmul {rate / 1e12:.0f} TFLOP/s; experts "
           f"{e} x top {a.top_k}, hidden {h}, intermediate {i}, {str(dtype).split('.')[-1]}")
     print_table(rows, cols)

@@ -36,8 +36,9 @@ def warm_up(p: ModelProcess) -> None:
         return [(mult * i + mult) % vocab for i in range(length)]
 
     # the warm-up's fills take the eager path they exist to compile (short fills can take
-    # the decode graphs, which need nothing compiled)
+    # the decode graphs, PREFILL steps the prefill graphs, which need nothing compiled)
     graph_fill, p.graph_fill.off = p.graph_fill.off, True
+    prefill_graphs, p.runner.prefill_graphs = p.runner.prefill_graphs, None
     embedding = p.args.is_embedding  # (no decode steps then)
     params = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 0 if embedding else 3,
               "ignore_eos": True}
@@ -59,6 +60,7 @@ def warm_up(p: ModelProcess) -> None:
         warm(p.kv.req_pool.req_to_token, *p.kv.pool.get_kv_buffer(0))
     moe_layers = warm_up_experts(p.runner.model, p.runner.dtype)
     p.graph_fill.off = graph_fill
+    p.runner.prefill_graphs = prefill_graphs
     p.kv.tree.reset()
     p.rng.setstate(rng_state)
     p.arrivals = 0

@@ -85,6 +85,7 @@ def test_prefill_graphs_equal_eager_fills(model_dir: str, eager: dict[str, Any])
     server = _server(model_dir, None)  # the default for 32 experts a rank: on, to 4096
     graphs = server.runner.prefill_graphs
     assert graphs is not None and graphs.replay and graphs.max_tokens == 4096
+    assert graphs.replays == 0  # (the start-up's warm-up fills ran eagerly)
     assert_same(_serve(server), eager, tol=2e-3)
     assert graphs.replays == 6, graphs.replays  # every round but pre-2's (EXTEND)
     assert server.stats()["prefill_graph_max_tokens"] == 4096
