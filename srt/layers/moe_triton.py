@@ -18,7 +18,12 @@ import triton.language as tl
 from srt.layers.fused_triton import silu_and_mul
 
 BLOCK_M = 16  # the default row block (pairs of one expert per program)
-GROUP_M = 8  # row blocks whose programs sweep the column blocks together (L2 reuse)
+# Row blocks whose programs sweep the column blocks together. 1 << 20 (more than any batch has):
+# every row block per column block, the order every measurement so far was taken with. Smaller
+# groups keep a group's gathered rows in L2 across the column blocks (a 4,096-token fill of
+# Qwen3-30B-A3B's experts ran at 30% of its floor, 1.36 ms a layer, re-reading its [pairs, K]
+# input once per column block); not yet measured: `benchmarks/bench_moe.py --group-m 1 4 16`.
+GROUP_M = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -85,10 +90,7 @@ def _grouped_gemm_kernel(
     """c[pair] = a[pair // A_ROW_DIV] @ w[expert of the block]^T (times weight[pair]). With
     W_SCALE, w is FP8 and row n of expert e stands for w[e, n] * scale[e, n]."""
     # One program per (row block, column block), in groups of GROUP_M row blocks that sweep
-    # every column block together: the gathered rows of a group stay in L2 while all of N
-    # reads them (row blocks first, all of them per column block, re-read the whole [pairs, K]
-    # input from memory once per column block: a 4,096-token fill of Qwen3-30B-A3B's experts
-    # took 1.36 ms a layer, 30% of its floor).
+    # every column block together (see GROUP_M).
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_m = tl.num_programs(0) // num_pid_n

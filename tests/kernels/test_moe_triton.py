@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -88,6 +90,17 @@ def test_fused_moe_matches_torch_small(tokens: int, experts: int, top_k: int, hi
                                        inter: int) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _check(tokens, experts, top_k, hidden, inter, torch.float32, device, tokens, 1e-3)
+
+
+@pytest.mark.parametrize("group_m", [1, 3, 1 << 20])
+def test_fused_moe_every_program_order(group_m: int, monkeypatch: Any) -> None:
+    """Row blocks grouped by 1, by 3 (a partial last group) and all together (the default
+    order): every (row block, column block) is computed once whatever the order."""
+    from srt.layers import moe_triton
+
+    monkeypatch.setattr(moe_triton, "GROUP_M", group_m)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _check(29, 6, 2, 160, 72, torch.float32, device, 3, 1e-3, TileConfig(16, 64, 64, 4, 3))
 
 
 @pytest.mark.parametrize("tokens", [1, 9, 40])
