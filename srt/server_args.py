@@ -152,13 +152,12 @@ class ServerArgs(SpeculativeArgs, LoraArgs):
         "token costs one graph replay instead of an eager forward's launches. 0 turns it off; "
         "default 256 where decode graphs are captured (capped at --cuda-graph-max-bs), else "
         "0. On the CPU a value runs the same rows eagerly.")
-    prefill_graph_max_tokens: int | None = _f(
-        None, "PREFILL steps (fills of new prompts, no cached prefix) of up to this many new "
-        "tokens replay CUDA graphs captured at start-up for token counts from 512 up (a fill is "
-        "padded to the next one): the launches of an eager fill, which bind a model of many "
-        "small kernels to the host, become one replay. 0 turns it off; default 4096 for "
-        "models of fine-grained experts (more than 16 a rank) where decode graphs are "
-        "captured and attention runs on Triton, else 0.")
+    prefill_graph_max_tokens: int = _f(
+        0, "PREFILL steps (fills of new prompts, no cached prefix) of up to this many new "
+        "tokens replay CUDA graphs captured at start-up for token counts from 512 up (the fill "
+        "padded to the next one) instead of launching each kernel: for models of many small "
+        "kernels a layer (fine-grained MoE). Triton attention, models without sliding windows "
+        "or logit caps. 0 (default) turns it off.")
     random_seed: int | None = _f(None, "Seed of the sampler (default: random).")
     stream_interval: int = _f(1, "Tokens per streamed chunk.")
     served_model_name: str | None = _f(None, "Model name of the OpenAI API (default: the "

@@ -22,10 +22,7 @@ from srt.layers.forward_batch import ForwardBatch, forward_context
 from srt.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from srt.layers.radix_attention import RadixAttention
 from srt.model_process.cuda_graph_runner import CudaGraphRunner
-from srt.model_process.prefill_graph_runner import (
-    PrefillGraphRunner,
-    prefill_graph_tokens,
-)
+from srt.model_process.prefill_graph_runner import PrefillGraphRunner
 from srt.model_process.prefill_graph_runner import supported as prefill_graphs_supported
 from srt.memory_pool import ReqToTokenPool, TokenToKVPool
 from srt.model_config import ModelConfig
@@ -232,11 +229,9 @@ class ModelRunner:
         if (getattr(self, "target", None) is not None or self.draft is not None
                 or self.pooling is not None):
             return
+        tokens = self.args.prefill_graph_max_tokens
         eager = self.graph_runner is None
-        if eager and (self.device.type != "cpu" or not self.args.prefill_graph_max_tokens):
-            return
-        tokens = prefill_graph_tokens(self.args, self)
-        if tokens <= 0:
+        if tokens <= 0 or (eager and self.device.type != "cpu"):
             return
         if not prefill_graphs_supported(self):
             logger.info("no prefill graphs: the attention backend (%s) or a layer's window or "

@@ -1,5 +1,5 @@
 """PREFILL graphs (GPU only): a small random Qwen3-MoE of fine-grained experts in float32 on the
-Triton backend, whose prefill graphs are on by default. Rounds of several prompts padded to a
+Triton backend, with prefill graphs up to 4,096 and 768 tokens. Rounds of several prompts padded to a
 captured size, a prompt of a captured size exactly, one longer than the largest (eager), one
 behind a cached prefix (EXTEND: eager) and one asking for output logprobs give the ids, finish
 reasons, token counts and logprobs of the server with the graphs off (and the decode-row fills
@@ -34,7 +34,7 @@ def model_dir(tmp_path_factory: Any) -> str:
                              num_hidden_layers=3, vocab_size=2000)
 
 
-def _server(model_dir: str, limit: int | None) -> Any:
+def _server(model_dir: str, limit: int) -> Any:
     from srt.model_process.loop import ModelProcess
     from srt.server_args import ServerArgs
 
@@ -82,7 +82,7 @@ def eager(model_dir: str) -> dict[str, Any]:
 
 
 def test_prefill_graphs_equal_eager_fills(model_dir: str, eager: dict[str, Any]) -> None:
-    server = _server(model_dir, None)  # the default for 32 experts a rank: on, to 4096
+    server = _server(model_dir, 4096)
     graphs = server.runner.prefill_graphs
     assert graphs is not None and graphs.replay and graphs.max_tokens == 4096
     assert graphs.replays == 0  # (the start-up's warm-up fills ran eagerly)

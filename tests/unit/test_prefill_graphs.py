@@ -17,11 +17,7 @@ from typing import Any
 import pytest
 
 from srt.managers.io_struct import LogprobOptions, TokenizedGenerateReq
-from srt.model_process.prefill_graph_runner import (
-    DEFAULT_MAX_TOKENS,
-    capture_token_counts,
-    prefill_graph_tokens,
-)
+from srt.model_process.prefill_graph_runner import capture_token_counts
 from tests.model_process import cpu_model_server, kv_is_free
 from tests.overlap_cases import assert_same, serve
 from tests.random_models import save_random_model
@@ -85,20 +81,16 @@ def test_padded_prefill_steps_equal_eager_ones(moe: str) -> None:
     assert server.stats()["prefill_graph_steps"] == 4
 
 
-def test_default_is_on_for_fine_grained_experts_only(moe: str, tmp_path: Any) -> None:
-    from types import SimpleNamespace
+def test_off_by_default(moe: str) -> None:
+    server = cpu_model_server(moe, attention_backend="triton")
+    assert server.runner.prefill_graphs is None
+    assert server.stats()["prefill_graph_max_tokens"] == 0
 
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    few = save_random_model(str(tmp_path), Qwen3MoeConfig, Qwen3MoeForCausalLM, head_dim=16,
-                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                            num_hidden_layers=1, vocab_size=256)
-    unset = SimpleNamespace(prefill_graph_max_tokens=None)
-    for path, want in ((moe, DEFAULT_MAX_TOKENS), (few, 0)):
-        runner = cpu_model_server(path).runner
-        assert prefill_graph_tokens(unset, runner) == want
-        assert runner.prefill_graphs is None  # the CPU takes them only when the flag is set
-        assert prefill_graph_tokens(SimpleNamespace(prefill_graph_max_tokens=7), runner) == 7
+def test_not_for_the_torch_backend(moe: str) -> None:
+    """The torch backend has no block-table kernel: the flag leaves its fills eager."""
+    server = cpu_model_server(moe, prefill_graph_max_tokens=SIZE)
+    assert server.runner.prefill_graphs is None
 
 
 def test_capture_token_counts() -> None:
