@@ -3,6 +3,7 @@
     python3 benchmarks/bench_moe.py                      # Mixtral-8x7B experts, bf16, on a GPU
     python3 benchmarks/bench_moe.py --sweep --out moe.json
     python3 benchmarks/bench_moe.py --hidden 64 --inter 96 --tokens 1 16   # CPU (interpreter)
+    python3 benchmarks/bench_moe.py --configs 128,256,64,8,4 16,128,128,4,2 --breakdown
 
 For each token count: the routing of random router logits (top 2 of 8, renormalized), the time
 of `fused_moe_triton` with the tile sizes it picks, of `moe_forward_torch` (one pair of matmuls
@@ -23,7 +24,10 @@ if not torch.cuda.is_available():
 
 from benchmarks.common import (  # noqa: E402
     copy_bandwidth, cuda_time_ms, default_device, hardware, matmul_rate, print_table, write_json)
+import triton  # noqa: E402
+
 from srt.layers import moe_triton  # noqa: E402
+from srt.layers.fused_triton import silu_and_mul  # noqa: E402
 from srt.layers.moe import moe_forward_torch, route_topk  # noqa: E402
 from srt.layers.moe_triton import TileConfig, fused_moe_triton, tile_config  # noqa: E402
 
@@ -44,8 +48,14 @@ def main() -> None:
                    help="also time the picked tiles with these row-block groups "
                    "(moe_triton.GROUP_M; 1048576: every row block per column block, the "
                    "order before grouping)")
+    p.add_argument("--configs", nargs="*", default=[], metavar="M,N,K,WARPS,STAGES",
+                   help="also time these tile configurations at every token count")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the pieces of the picked configuration: the expert "
+                   "layout, the gate/up product, SiLU-and-mul, the down product, the sum")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    explicit = [TileConfig(*(int(v) for v in c.split(","))) for c in a.configs]
     device = default_device()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     bw, rate = copy_bandwidth(device), matmul_rate(device)
@@ -74,6 +84,11 @@ def main() -> None:
             row[f"group_m_{gm}_ms"] = cuda_time_ms(
                 lambda: fused_moe_triton(x, w13, w2, weights, ids))
             moe_triton.GROUP_M = default_gm
+        for c in explicit:
+            row[_name(c)] = _time_or_none(
+                lambda c=c: fused_moe_triton(x, w13, w2, weights, ids, cfg=c))
+        if a.breakdown:
+            row.update(_breakdown(x, w13, w2, weights, ids, cfg))
         if a.sweep:
             times = {}
             for c in SWEEP:
@@ -91,12 +106,49 @@ def main() -> None:
         print(f"tokens={t} done", flush=True)
     cols = ["tokens", "active_experts", "floor_ms", "bound", "triton_ms", "torch_ms",
             "floor_pct", "vs_torch", "config"] + [f"group_m_{gm}_ms" for gm in a.group_m] + (
-                ["best_ms", "best_config"] if a.sweep else [])
+                ["best_ms", "best_config"] if a.sweep else []) + [_name(c) for c in explicit] + (
+                    list(BREAKDOWN) if a.breakdown else [])
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, matmul {rate / 1e12:.0f} TFLOP/s; experts "
           f"{e} x top {a.top_k}, hidden {h}, intermediate {i}, {str(dtype).split('.')[-1]}")
     print_table(rows, cols)
     write_json(a.out, {"argv": vars(a), "hardware": hardware(), "copy_bandwidth": bw,
                        "matmul_rate": rate, "rows": rows})
+
+
+BREAKDOWN = ("align_ms", "gate_up_ms", "act_ms", "down_ms", "sum_ms")
+
+
+def _time_or_none(fn) -> float | None:
+    """cuda_time_ms of fn, or None where the tiles do not fit (shared memory)."""
+    try:
+        return cuda_time_ms(fn, warmup=2, iters=10)
+    except Exception as exc:  # noqa: BLE001 - a tile too large for shared memory
+        print(f"{type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        return None
+
+
+def _breakdown(x, w13, w2, weights, ids, cfg: TileConfig) -> dict[str, float]:
+    """Device times of the pieces `fused_moe_triton` runs, one by one, with tiles `cfg`."""
+    e, top_k = w13.shape[0], ids.shape[1]
+    pairs = ids.numel()
+    sorted_pairs, block_expert = moe_triton.align_pairs_by_expert(ids, e, cfg.block_m)
+    flat_w = weights.reshape(-1).float().contiguous()
+    gate_up = torch.empty(pairs, w13.shape[1], dtype=x.dtype, device=x.device)
+    act = silu_and_mul(gate_up.normal_())
+    down = torch.empty(pairs, x.shape[1], dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    block = min(1024, triton.next_power_of_2(x.shape[1]))
+    return {
+        "align_ms": cuda_time_ms(lambda: moe_triton.align_pairs_by_expert(ids, e, cfg.block_m)),
+        "gate_up_ms": cuda_time_ms(lambda: moe_triton._grouped_gemm(
+            x, w13, gate_up, flat_w, sorted_pairs, block_expert, top_k, False, cfg)),
+        "act_ms": cuda_time_ms(lambda: silu_and_mul(gate_up)),
+        "down_ms": cuda_time_ms(lambda: moe_triton._grouped_gemm(
+            act, w2, down, flat_w, sorted_pairs, block_expert, 1, True, cfg)),
+        "sum_ms": cuda_time_ms(lambda: moe_triton._moe_sum_kernel[
+            (x.shape[0], triton.cdiv(x.shape[1], block))](
+                down, ids, out, x.shape[1], E=e, K=top_k, BLOCK=block, num_warps=4)),
+    }
 
 
 def _name(c: TileConfig) -> str:

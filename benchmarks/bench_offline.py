@@ -132,11 +132,6 @@ def main() -> None:
         prompts = [x[: a.input_len_cap] for x in prompts]
     if a.output_len_cap:
         out_lens = [min(n, a.output_len_cap) for n in out_lens]
-    bw, flops = copy_bandwidth(), matmul_rate()
-    fp8_flops = (fp8_matmul_rate() if torch.cuda.is_available()
-                 and a.server_args.get("quantization") == "fp8" else None)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the engine sizes its pool from the free memory
     shape = Shape.of(a.shape)
     hf_prompts = prompts[: a.hf_requests]
     lora: dict = {}
@@ -163,6 +158,12 @@ def main() -> None:
         slow = slow_rounds_since(engine, began)
         fill_waits = engine.get_server_info()["fill_wait_steps"]
         srt_hf = srt_fixed_len(engine, hf_prompts, a.hf_output_len) if a.compare_hf else None
+    # The floor's rates, measured once the engine is gone: the engine sizes its KV pool from
+    # the device's free memory, so this process holds no device memory (nor a CUDA context,
+    # half a GiB) while it starts.
+    bw, flops = copy_bandwidth(), matmul_rate()
+    fp8_flops = (fp8_matmul_rate() if torch.cuda.is_available()
+                 and a.server_args.get("quantization") == "fp8" else None)
     produced = sum(o["meta_info"]["completion_tokens"] for o in outs)
     assert produced == sum(out_lens), (produced, sum(out_lens))
     floor = floor_seconds(shape, [len(x) for x in prompts], out_lens, bw, flops, a.tp_size,
