@@ -9,6 +9,7 @@ size, so nothing waits for the host; padded rows point past the last pair and ar
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -18,12 +19,15 @@ import triton.language as tl
 from srt.layers.fused_triton import silu_and_mul
 
 BLOCK_M = 16  # the default row block (pairs of one expert per program)
-# Row blocks whose programs sweep the column blocks together. 1 << 20 (more than any batch has):
-# every row block per column block, the order every measurement so far was taken with. Smaller
-# groups keep a group's gathered rows in L2 across the column blocks (a 4,096-token fill of
-# Qwen3-30B-A3B's experts ran at 30% of its floor, 1.36 ms a layer, re-reading its [pairs, K]
-# input once per column block); not yet measured: `benchmarks/bench_moe.py --group-m 1 4 16`.
-GROUP_M = 1 << 20
+# Row blocks whose programs sweep the column blocks together (1 << 20: every row block per
+# column block). One row block at a time (1) keeps its gathered input rows in L2 across the
+# column blocks: on one H100, Qwen3-30B-A3B's experts at 4,096 tokens 1.124 ms a layer against
+# 1.344 with every row block together, DeepSeek-V2-Lite's 1.215 against 1.479; the same or
+# better at every count from 1 to 8,192 tokens (`benchmarks/bench_moe.py --group-m`).
+GROUP_M = 1
+# The shared memory a block may take where the device cannot be asked (Triton's interpreter):
+# an H100's / H200's 227 KiB. `_fit_stages` drops stages of a tile that would need more.
+SMEM_BYTES = 232_448
 
 
 @dataclass(frozen=True)
@@ -38,13 +42,18 @@ class TileConfig:
 
 
 # Every tile configuration `tile_config` returns: the start-up warm-up compiles each of them
-# (`warm_up_fused_moe`), since a fill is the first to need the larger ones.
+# (`warm_up_fused_moe`), since a fill is the first to need the larger ones. Chosen on one H100
+# from 14 configurations timed on Qwen3-30B-A3B's experts (128 x top 8, 2048 -> 768) and
+# DeepSeek-V2-Lite's (64 x top 6, 2048 -> 1408) at 1 to 8,192 tokens, GROUP_M 1
+# (benchmarks/results/2026-12-07-moe-tiles/): per expert up to 16 pairs the 16-row blocks, to
+# 48 the 64-row ones (DeepSeek at 256 tokens 0.488 ms against 0.505 for 32-row blocks), to 96
+# 128 x 128 with 8 warps (DeepSeek at 1,024 tokens 0.568 against 0.781 for the 32-row blocks
+# picked before), above 128 x 256 with 4 stages (Qwen3 at 4,096 tokens 1.023 ms, at 8,192
+# 1.794 against 1.869 for 128 x 128).
 DECODE_TILES = TileConfig(16, 64, 128, 4, 4)
-MID_TILES = TileConfig(32, 64, 64, 4, 4)
-# fills of fine-grained experts (DeepSeek-V2-Lite's 64 x top 6 on one H100: 2,048 tokens
-# 1.47 ms against 1.61 with 64-row blocks, 8,192 tokens 3.27 against 3.87; bench_moe --sweep)
-FILL_TILES = TileConfig(128, 128, 64, 4, 3)
-LARGE_FILL_TILES = TileConfig(128, 128, 64, 8, 3)
+MID_TILES = TileConfig(64, 128, 64, 4, 3)
+FILL_TILES = TileConfig(128, 128, 64, 8, 3)
+LARGE_FILL_TILES = TileConfig(128, 256, 64, 8, 4)
 TILE_CONFIGS = (DECODE_TILES, MID_TILES, FILL_TILES, LARGE_FILL_TILES)
 
 
@@ -54,9 +63,28 @@ def tile_config(num_pairs: int, num_experts: int) -> TileConfig:
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 16:
         return DECODE_TILES
-    if per_expert <= 96:
+    if per_expert <= 48:
         return MID_TILES
-    return LARGE_FILL_TILES if per_expert > 256 else FILL_TILES
+    return LARGE_FILL_TILES if per_expert > 96 else FILL_TILES
+
+
+@functools.cache
+def _smem_limit(device_index: int | None) -> int:
+    """A block's shared memory on this GPU (SMEM_BYTES where there is none)."""
+    if device_index is None:
+        return SMEM_BYTES
+    props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    return int(props["max_shared_mem"])
+
+
+def _fit_stages(cfg: TileConfig, block_n: int, block_k: int, itemsize: int,
+                device: torch.device) -> int:
+    """cfg's pipeline stages, fewer where its stages of A and W tiles in `itemsize`-byte
+    elements would not fit the device's shared memory (float32 inputs of the 128 x 256 tiles:
+    2 stages; a GPU of 100 KiB: 2 stages of bf16 128 x 128 tiles)."""
+    per_stage = (cfg.block_m + block_n) * block_k * itemsize
+    limit = _smem_limit(device.index if device.type == "cuda" else None)
+    return max(1, min(cfg.num_stages, limit // per_stage))
 
 
 def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, dtype: torch.dtype,
@@ -234,6 +262,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, weights: to
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     grid = (block_expert.numel() * triton.cdiv(n, block_n),)
+    stages = _fit_stages(cfg, block_n, block_k, a.element_size(), a.device)
     _grouped_gemm_kernel[grid](
         a, w, c, weights, sorted_pairs, block_expert, scale if scale is not None else weights,
         num_pairs, n, k,
@@ -242,7 +271,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, weights: to
         A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, IEEE=a.dtype == torch.float32,
         W_SCALE=scale is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=stages,
     )
 
 

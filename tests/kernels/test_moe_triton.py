@@ -124,12 +124,28 @@ def test_dropped_choices_are_not_computed(tokens: int) -> None:
     assert ((out.double() - ref).abs().max() / ref.abs().max()) < 1e-3
 
 
-@pytest.mark.parametrize("cfg", [TileConfig(16, 64, 128, 4, 4), TileConfig(32, 64, 64, 4, 4),
-                                 TileConfig(128, 128, 64, 4, 3), TileConfig(128, 128, 64, 8, 3)])
+@pytest.mark.parametrize("cfg", TILE_CONFIGS)
 def test_fused_moe_every_tile_config(cfg: TileConfig) -> None:
-    """Each row-block size `tile_config` picks (padding, skipped blocks, masked edges)."""
+    """Each tile configuration `tile_config` picks (padding, skipped blocks, masked edges; in
+    float32 on a GPU the largest tiles run with fewer stages)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _check(45, 4, 2, 48, 40, torch.float32, device, 7, 1e-3, cfg)
+
+
+def test_stages_fit_shared_memory() -> None:
+    """A tile's stages shrink to what the shared memory holds in the input's dtype: the
+    largest bf16 tiles keep their 4 stages on an H100 / H200, float32 ones drop to 2."""
+    from srt.layers.moe_triton import LARGE_FILL_TILES, SMEM_BYTES, _fit_stages
+
+    cpu = torch.device("cpu")  # (the limit of an H100 / H200: SMEM_BYTES)
+    assert _fit_stages(LARGE_FILL_TILES, 256, 64, 2, cpu) == 4
+    assert _fit_stages(LARGE_FILL_TILES, 256, 64, 4, cpu) == 2
+    assert _fit_stages(TileConfig(16, 64, 128, 4, 4), 64, 128, 4, cpu) == 4
+    for cfg in TILE_CONFIGS:
+        for itemsize in (1, 2, 4):
+            stages = _fit_stages(cfg, cfg.block_n, cfg.block_k, itemsize, cpu)
+            assert 1 <= stages <= cfg.num_stages
+            assert stages * (cfg.block_m + cfg.block_n) * cfg.block_k * itemsize <= SMEM_BYTES
 
 
 def test_tile_config_grows_with_pairs_per_expert() -> None:
