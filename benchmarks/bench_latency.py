@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.common import Shape, add_engine_args, copy_bandwidth, hardware, \
+from benchmarks.common import Shape, add_engine_args, device_rates, hardware, \
     parse_with_server_args, print_table, start_engine, write_json
 
 
@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     a = parse_with_server_args(p)
 
-    bw = copy_bandwidth()
+    bw, _, _ = device_rates()  # (in a child: the engine sizes its pool from free memory)
     shape = Shape.of(a.shape)
     rng = random.Random(0)
     engine, startup = start_engine(a, **a.server_args)

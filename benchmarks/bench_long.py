@@ -40,11 +40,9 @@ import sys
 import time
 from typing import Any
 
-import torch
-
 from benchmarks.bench_offline import floor_seconds
-from benchmarks.common import Shape, add_engine_args, copy_bandwidth, decode_step_times, \
-    hardware, matmul_rate, parse_with_server_args, print_table, start_engine, write_json
+from benchmarks.common import Shape, add_engine_args, decode_step_times, device_rates, \
+    hardware, parse_with_server_args, print_table, start_engine, write_json
 from srt.model_process.step_timing import per_step_ms
 
 
@@ -84,9 +82,7 @@ def main() -> None:
     if shape.vocab <= 10000:  # only the test shape: keep the ids inside its vocabulary
         w3 = [[t % shape.vocab for t in x] for x in w3]
         t30 = [t % shape.vocab for t in t30]
-    bw, flops = copy_bandwidth(), matmul_rate()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the engine sizes its pool from the free memory
+    bw, flops, _ = device_rates()  # (in a child: the engine sizes its pool from free memory)
     tp = a.tp_size
     weight_bytes = shape.params * 2 / tp
     kv_tok = shape.kv_bytes_per_token() / tp
