@@ -4,14 +4,19 @@ Order: penalties, then masks (min_new_tokens), then greedy rows take the argmax 
 are scaled by temperature, filtered by top-k / top-p / min-p and sampled by an exponential race
 (argmax of p / Exp(1) noise, which draws from p). A request with a seed draws its noise from a
 generator seeded by (seed, output position), so the same seed gives the same output whatever else
-is in the batch.
+is in the batch. On a GPU a batch without top-k / top-p / min-p rows is sampled in one pass
+instead (`srt.layers.sample_triton`: Gumbel-max, the same distribution, Philox noise keyed by
+the same seeds), so a seed's tokens there differ from the torch path's.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,11 +62,47 @@ def _exponential_noise(info: SamplingBatchInfo, shape: torch.Size, device: torch
         if seed is None:
             continue
         g = torch.Generator(device=device)
-        # Mix seed and position into one 63-bit seed (splitmix-style constants).
-        g.manual_seed((seed * 0x9E3779B97F4A7C15 + info.positions[row] * 0xBF58476D1CE4E5B9)
-                      & ((1 << 63) - 1))
+        g.manual_seed(_seed_of(seed, info.positions[row]))
         noise[row].exponential_(generator=g)
     return noise
+
+
+def _fused_sample(logits: torch.Tensor, info: SamplingBatchInfo,
+                  generator: torch.Generator | None) -> torch.Tensor | None:
+    """`gumbel_sample` of the batch; None (and the torch path from then on, with a warning)
+    where its kernels fail to build on this device (the start-up warm-up takes this path)."""
+    global FUSED
+    from srt.layers.sample_triton import gumbel_sample
+
+    try:
+        return gumbel_sample(logits, info.temperatures, _row_seeds(info, logits.device,
+                                                                   generator))
+    except Exception as exc:  # noqa: BLE001 - a compile error: sample the torch way instead
+        logger.warning("one-pass sampling kernel unavailable (%s: %s); sampling with torch "
+                       "operations", type(exc).__name__, exc)
+        FUSED = "never"
+        return None
+
+
+def _seed_of(seed: int, position: int) -> int:
+    """A seeded row's 63-bit noise seed at an output position (splitmix-style constants)."""
+    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & ((1 << 63) - 1)
+
+
+def _row_seeds(info: SamplingBatchInfo, device: torch.device,
+               generator: torch.Generator | None) -> torch.Tensor:
+    """[bs] int64 Philox keys of `gumbel_sample`: a seeded row's from (seed, position); the
+    others one draw of `generator` (which it advances, as the noise tensor would) plus the
+    row's index."""
+    bs = len(info.seeds)
+    base = torch.randint(0, 1 << 62, (1,), generator=generator, device=device)
+    keys = base + torch.arange(bs, device=device)
+    if any(s is not None for s in info.seeds):
+        rows = [r for r, s in enumerate(info.seeds) if s is not None]
+        seeded = torch.tensor([_seed_of(info.seeds[r], info.positions[r]) for r in rows],
+                              dtype=torch.int64)
+        keys[torch.tensor(rows, device=device)] = seeded.to(device, non_blocking=True)
+    return keys
 
 
 def _filtered_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -93,13 +134,24 @@ def _masked_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tenso
     return logits
 
 
+# Rows without top-k / top-p / min-p on a GPU: one pass of `srt.layers.sample_triton` (the
+# same distribution by Gumbel-max; "never" keeps the torch sequence everywhere, "always" takes
+# the kernel on the CPU too, in Triton's interpreter).
+FUSED = "gpu"
+
+
 def sample(logits: torch.Tensor, info: SamplingBatchInfo,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """logits: [bs, vocab] float32 -> next token ids [bs] int64 (on the logits' device)."""
     logits = _masked_logits(logits, info)
-    greedy = logits.argmax(dim=-1)
     if info.all_greedy:
-        return greedy
+        return logits.argmax(dim=-1)
+    if not (info.need_top_p_k or info.need_min_p) and (
+            FUSED == "always" or (FUSED == "gpu" and logits.is_cuda)):
+        ids = _fused_sample(logits, info, generator)
+        if ids is not None:
+            return ids
+    greedy = logits.argmax(dim=-1)
     probs = _filtered_probs(logits, info)
     noise = _exponential_noise(info, probs.shape, probs.device, generator)
     sampled = (probs / noise).argmax(dim=-1)

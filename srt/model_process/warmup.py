@@ -40,13 +40,16 @@ def warm_up(p: ModelProcess) -> None:
     graph_fill, p.graph_fill.off = p.graph_fill.off, True
     prefill_graphs, p.runner.prefill_graphs = p.runner.prefill_graphs, None
     embedding = p.args.is_embedding  # (no decode steps then)
-    params = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 0 if embedding else 3,
-              "ignore_eos": True}
+    # the first round samples under top-p (the torch sequence), the second at a temperature
+    # alone (on a GPU the one-pass sampling kernel, `srt/layers/sample_triton.py`)
+    params = [{"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 0 if embedding else 3,
+               "ignore_eos": True}, {"temperature": 0.7, "max_new_tokens": 0 if embedding else 3,
+                                    "ignore_eos": True}]
     first = ids(7, n)
     rounds = [[first, ids(11, n // 2 + 1), ids(13, n // 3)],          # PREFILL, 3 prompts
               [first[: n // 2] + ids(17, n // 4 + 1), ids(19, n // 5)]]  # EXTEND, mixed
     for k, prompts in enumerate(rounds):
-        reqs = [TokenizedGenerateReq(f"warmup-{k}-{i}", x, dict(params))
+        reqs = [TokenizedGenerateReq(f"warmup-{k}-{i}", x, dict(params[k]))
                 for i, x in enumerate(prompts)]
         p.step(StepInput(reqs=reqs))
         for _ in range(100):
