@@ -4,7 +4,9 @@
         [--kv-dtype bf16|fp8] [--shared P] [--splits 1 2 ...] [--block-n 32 64] [--warps 4 8]
         [--stages 2 3 4] [--backends triton,flashinfer] [--out sweep_decode_ragged.json]
 
-Llama-3-8B heads (32 / 8, d 128, bf16 queries). `--bs` requests with context lengths drawn
+Llama-3-8B heads (32 / 8, d 128, bf16 queries), or with `--mla` DeepSeek-V2-Lite's latent
+attention (16 heads over one 576-wide latent a token, the values its first 512 channels; the
+split count the backend picks for one KV head). `--bs` requests with context lengths drawn
 uniformly from `--lens` (seeded), each request's slots one run of the pool (`contiguous`, as a
 fresh pool hands out a prompt's slots) or anywhere (`random`); `--kv-dtype fp8` stores the pool
 in float8_e4m3fn (scales 0.5 / 0.25). `--shared P` puts one P-token prefix (the same slots)
@@ -40,13 +42,14 @@ class RaggedDecode:
     """One decode step of `lens.numel()` requests with the given context lengths."""
 
     def __init__(self, lens: list[int], contiguous: bool, kv_dtype: torch.dtype,
-                 shared: int = 0, seed: int = 0) -> None:
+                 shared: int = 0, seed: int = 0, v_dim: int | None = None) -> None:
         g = torch.Generator(device="cpu").manual_seed(seed)
         dev, H, HKV, D, dt = ba.DEV, ba.H, ba.HKV, ba.D, ba.DTYPE
         self.lens, bs, self.shared = lens, len(lens), shared
         size = shared + sum(lens)
         self.req_pool = ReqToTokenPool(bs, shared + max(lens) + 1, dev)
-        self.kv_pool = TokenToKVPool(size, 1, HKV, D, kv_dtype, dev)
+        self.v_dim = v_dim  # latent attention: the values are the keys' first v_dim channels
+        self.kv_pool = TokenToKVPool(size, 1, HKV, D, kv_dtype, dev, shared_kv=v_dim is not None)
         for buf in (self.kv_pool.k_buffer[0], self.kv_pool.v_buffer[0]):
             buf.copy_(torch.randn(buf.shape, device=dev))
         # contiguous: one run of slots per request, the runs in a shuffled order of requests;
@@ -63,7 +66,7 @@ class RaggedDecode:
         self.rows = torch.arange(bs, device=dev)
         self.q = torch.randn(bs, H, D, dtype=dt, device=dev)
         self.o = torch.empty_like(self.q)
-        self.kv_bytes = size * HKV * D * 2 * kv_dtype.itemsize
+        self.kv_bytes = size * HKV * D * (1 if v_dim else 2) * kv_dtype.itemsize
         self.scales = (0.5, 0.25) if kv_dtype != dt else (1.0, 1.0)
         self.layer = RadixAttention(H, D, D**-0.5, HKV, 0)
 
@@ -79,7 +82,7 @@ class RaggedDecode:
             dec.decode_attention_fwd(self.q, k, v, self.o, self.req_pool.req_to_token,
                                      self.rows, self.seq_lens, ba.D**-0.5, splits, ws,
                                      shared_len=self.shared, shared_splits=shared_splits,
-                                     k_scale=ks, v_scale=vs)
+                                     k_scale=ks, v_scale=vs, v_head_dim=self.v_dim)
         return run
 
     def backend(self, name: str) -> Callable[[], Any]:
@@ -117,19 +120,24 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--mla", action="store_true",
+                    help="DeepSeek-V2-Lite's latent attention (16 heads, one 576-wide latent)")
     ap.add_argument("--out", default="sweep_decode_ragged.json")
     a = ap.parse_args()
+    v_dim = None
+    if a.mla:  # (the kernel takes 32-token blocks at this width: --block-n does not apply)
+        ba.H, ba.HKV, ba.D, v_dim = 16, 1, 576, 512
     lo, hi = (int(x) for x in a.lens.split("-"))
     kv_dtype = torch.float8_e4m3fn if a.kv_dtype == "fp8" else ba.DTYPE
     # the other backends' runs here have no shared-prefix stage and no FP8 scales
-    backends = "triton" if a.shared or a.kv_dtype == "fp8" else a.backends
+    backends = "triton" if a.shared or a.kv_dtype == "fp8" or a.mla else a.backends
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows: list[dict[str, Any]] = []
     for bs in a.bs:
         g = torch.Generator().manual_seed(bs)
         lens = torch.randint(lo, hi + 1, (bs,), generator=g).tolist()
-        case = RaggedDecode(lens, a.slots == "contiguous", kv_dtype, a.shared)
+        case = RaggedDecode(lens, a.slots == "contiguous", kv_dtype, a.shared, v_dim=v_dim)
         chosen = dec.choose_num_kv_splits(bs, ba.HKV, 1 << 30)
 
         def add(name: str, fn: Callable[[], Any], **cfg: Any) -> None:

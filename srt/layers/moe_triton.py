@@ -298,8 +298,8 @@ def fused_moe_triton(
     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as srt.layers.moe.moe_forward_torch (FP8 experts with their scales
-    included; choices of id E dropped); writes into `out` when given. `cfg` overrides the tile sizes `tile_config`
-    picks from the shapes."""
+    included; choices of id E dropped); writes into `out` when given. `cfg` overrides the
+    tile sizes `tile_config` picks from the shapes."""
     num_tokens, top_k = topk_ids.shape
     hidden = x.shape[1]
     num_pairs = num_tokens * top_k
