@@ -88,6 +88,10 @@ class ForwardBatch:
     # The step's rows that use LoRA adapters, grouped by pool slot (srt.lora.layers.
     # LoraBatchInfo); None: no row uses one.
     lora: Any = None
+    # EXTEND only: the pool slots of every request's cached prefix, packed by request in
+    # position order; set by the first layer that reads them (MLA's expanded EXTEND), None
+    # until then.
+    prefix_slots: torch.Tensor | None = None
 
 
 _current: list[ForwardBatch] = []

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.layers import parallel_state as ps
-from srt.layers.attention.fresh_prefill import fresh_prefill_attention
+from srt.layers.attention.fresh_prefill import expanded_extend_attention, fresh_prefill_attention
 from srt.layers.embedding import VocabParallelEmbedding
 from srt.layers.forward_batch import ForwardMode, get_forward_batch
 from srt.layers.fused import use_fused
@@ -96,9 +96,11 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(n, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
         fb = get_forward_batch()
-        # a PREFILL step attends over expanded keys (`_fresh_prefill`): no absorbed query
+        # a PREFILL step attends over expanded keys (`_fresh_prefill`), and so does an EXTEND
+        # step where that costs less (`_expands`): no absorbed query then
         fresh = fb.forward_mode == ForwardMode.PREFILL and not fb.decode_tail
-        q_lat = None if fresh else torch.einsum("thd,hdr->thr", q_nope, w_uk)
+        expand = not fresh and self._expands(fb, x.dtype)
+        q_lat = None if fresh or expand else torch.einsum("thd,hdr->thr", q_nope, w_uk)
         stored = False  # the latents are in the pool already
         if use_fused(x) and self.rope & (self.rope - 1) == 0:  # the norm, rotary, concatenations
             from srt.layers.mla_triton import mla_prep
@@ -115,10 +117,12 @@ class MLAttention(nn.Module):
             c, k_pe = kv.split([self.rank, self.rope], dim=-1)
             c = self.kv_a_layernorm(c.contiguous())
             q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
-            query = None if fresh else torch.cat((q_lat, q_pe), dim=-1)
+            query = None if fresh or expand else torch.cat((q_lat, q_pe), dim=-1)
             latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [T, 1, rank + rope]
         if fresh:
             out = self._fresh_prefill(fb, q_nope, q_pe, latent, stored)
+        elif expand:
+            out = self._expanded_extend(fb, q_nope, q_pe, latent, stored)
         else:
             o = self.attn(query, latent, latent, kv_stored=stored).view(
                 t, n, self.rank + self.rope)
@@ -130,17 +134,88 @@ class MLAttention(nn.Module):
         """A PREFILL step (no cached prefix): the latents go into the pool as always, but the
         attention runs over them expanded per head (keys nope + rope, values v_dim wide), as
         transformers computes it, rather than absorbed (576-wide keys): [T, heads, v_dim]."""
-        t, n = latent.shape[0], self.num_heads
         if not stored:
             k_buf, _ = fb.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
             store_kv(k_buf, fb.out_cache_loc, latent, self.attn.k_scale)
-        c, k_pe = latent[:, 0, : self.rank], latent[:, :, self.rank:]
-        kv = F.linear(c, self.kv_b_proj.weight).view(t, n, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat((k_nope, k_pe.expand(t, n, self.rope)), dim=-1)
+        k, v = self._expand(latent)
         q = torch.cat((q_nope, q_pe), dim=-1)
         return fresh_prefill_attention(q, k, v, fb.attn_metadata, fb.extend_lens_cpu,
                                        self.attn.scaling)
+
+    def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [T, 1, rank + rope] -> per-head keys [T, heads, nope + rope] and values
+        [T, heads, v_dim] (kv_b_proj's up-projections; the rotary part shared by the heads)."""
+        t, n = latent.shape[0], self.num_heads
+        c, k_pe = latent[:, 0, : self.rank], latent[:, :, self.rank:]
+        kv = F.linear(c, self.kv_b_proj.weight).view(t, n, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        return torch.cat((k_nope, k_pe.expand(t, n, self.rope)), dim=-1), v
+
+    def _expands(self, fb: Any, dtype: torch.dtype) -> bool:
+        """Whether an EXTEND step (not mixed) attends over expanded keys: its cached prefixes'
+        latents, read from a pool in the model's dtype, expanded by kv_b_proj (2 x rank x
+        (nope + v) products a prefix token and head) where the (query, key) pairs' products
+        this saves against the absorbed path (scores over the latent padded to a power of
+        two, values over rank, against both over nope + rope padded) are more, and the
+        temporary keys and values of at most EXPAND_MAX_PREFIX_TOKENS tokens. For
+        DeepSeek-V2-Lite's shapes: when a step has over 128 pairs a prefix token (a chunked
+        prompt's next 4,096-token chunk, not a few draft tokens)."""
+        if fb.forward_mode != ForwardMode.EXTEND or fb.decode_tail:
+            return False
+        prefix = sum(fb.prefix_lens_cpu)
+        if not 0 < prefix <= EXPAND_MAX_PREFIX_TOKENS or fb.token_to_kv_pool.get_kv_buffer(
+                self.attn.layer_id)[0].dtype != dtype:
+            return False
+        return expanded_extend_pays(fb.prefix_lens_cpu, fb.extend_lens_cpu, self.rank,
+                                    self.rope, self.nope, self.v_dim)
+
+    def _expanded_extend(self, fb: Any, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                         latent: torch.Tensor, stored: bool) -> torch.Tensor:
+        """An EXTEND step over expanded keys and values: the new tokens' latents (stored as
+        always) and the requests' cached ones, gathered from the pool and expanded alike."""
+        k_buf, _ = fb.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
+        if not stored:
+            store_kv(k_buf, fb.out_cache_loc, latent, self.attn.k_scale)
+        if fb.prefix_slots is None:  # (once a step: every layer reads the same slots)
+            fb.prefix_slots = _prefix_slots(fb)
+        k, v = self._expand(latent)
+        k_prefix, v_prefix = self._expand(k_buf[fb.prefix_slots])
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        return expanded_extend_attention(q, k, v, k_prefix, v_prefix, fb.attn_metadata,
+                                         fb.prefix_lens_cpu, fb.extend_lens_cpu,
+                                         self.attn.scaling)
+
+
+# The most cached tokens an EXTEND step expands into temporary per-head keys and values (about
+# 12 KB a token and layer on DeepSeek-V2-Lite's shapes); beyond, it keeps the absorbed path.
+EXPAND_MAX_PREFIX_TOKENS = 32768
+
+
+def expanded_extend_pays(prefix_lens: list[int], extend_lens: list[int], rank: int, rope: int,
+                         nope: int, v_dim: int) -> bool:
+    """Whether expanding the cached latents (2 x rank x (nope + v_dim) products a prefix
+    token and head) costs less than the absorbed path's extra products on the step's (query,
+    key) pairs: scores over the latent padded to a power of two plus values over rank, against
+    scores and values over nope + rope padded."""
+    pairs = sum(n * (p + (n + 1) / 2) for p, n in zip(prefix_lens, extend_lens))
+    absorbed = 2 * (1 << (rank + rope - 1).bit_length()) + 2 * rank
+    expanded = 4 * (1 << (nope + rope - 1).bit_length())
+    return pairs * (absorbed - expanded) > sum(prefix_lens) * 2 * rank * (nope + v_dim)
+
+
+def _prefix_slots(fb: Any) -> torch.Tensor:
+    """The pool slots of every request's cached prefix, packed by request in position order,
+    from the device's tables (the prefix lengths from the step's metadata where it holds them
+    on the device: no copy that waits for the device)."""
+    prefix = fb.prefix_lens_cpu
+    total, dev = sum(prefix), fb.req_pool_indices.device
+    lens = getattr(fb.attn_metadata, "prefix_lens", None)
+    lens = lens.long() if isinstance(lens, torch.Tensor) and lens.numel() == len(prefix) \
+        else torch.tensor(prefix, dtype=torch.int64, device=dev)
+    rows = torch.repeat_interleave(fb.req_pool_indices, lens, output_size=total)
+    firsts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=total)
+    cols = torch.arange(total, device=dev) - firsts
+    return fb.req_to_token_pool.req_to_token[rows, cols].long()
 
 
 class DeepseekMoE(nn.Module):

@@ -90,6 +90,12 @@ MODELS: dict[str, tuple[Any, str, dict[str, Any]]] = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 1024, "beta_fast": 32,
                          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707})),
+    # a latent wide enough (64 + 16 against 16 + 16 per head) that EXTEND steps of many new
+    # tokens expand the cached latents (srt.models.deepseek_v2.expanded_extend_pays)
+    "deepseek_v2_wide": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=64, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1)),
     # DeepSeek-V2's full layout: q LoRA, grouped routing (2 of 4 groups), two shared experts
     "deepseek_v2_qlora": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
         num_key_value_heads=8, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16,
@@ -257,6 +263,49 @@ def test_48_steps_equal_transformers(checkpoints: Any, name: str, flags: list[st
         if "moe" in name or name == "deepseek_v2":  # 4 experts: 2 a rank with --ep-size 2
             info = srv.server_info()
             assert info["experts_per_rank"] == (2 if "--ep-size" in flags else 4), info
+        srv.assert_kv_invariant()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_deepseek_extends_over_expanded_prefixes_equal_transformers(checkpoints: Any,
+                                                                    backend: str) -> None:
+    """EXTEND steps that expand their cached latents into per-head keys and values: the next
+    32-token chunks of an 80-token prompt (`--chunked-prefill-size 32`), and a second prompt
+    whose first 63 tokens the radix cache holds; through the torch backend and the Triton
+    kernels (in Triton's interpreter on the CPU). Prompt logprobs of every computed position
+    and 8 greedy tokens equal transformers' (prefix latents halved fail it)."""
+    import random
+
+    from srt.models.deepseek_v2 import expanded_extend_pays
+
+    # these steps take the expanded path on this checkpoint's shapes
+    assert expanded_extend_pays([32], [32], 64, 16, 16, 16)
+    assert expanded_extend_pays([64], [16], 64, 16, 16, 16)
+    assert expanded_extend_pays([63], [31], 64, 16, 16, 16)
+    rng = random.Random(3)
+    first = [rng.randrange(3, 250) for _ in range(80)]
+    second = first[:64] + [rng.randrange(3, 250) for _ in range(30)]
+    path, _ = checkpoints("deepseek_v2_wide")
+    ref = hf_reference(path, [first, second], NEW_TOKENS)
+    srv = _serve(path, "--chunked-prefill-size", "32", "--attention-backend", backend)
+    try:
+        for k, (ids, start) in enumerate(((first, 0), (second, 64))):
+            want_in = ref.prompt_logprobs[k][max(0, start - 1):]
+            want_out = ref.output_logprobs[k]
+            res = srv.generate({"input_ids": ids, "sampling_params": GREEDY,
+                                "return_logprob": True, "logprob_start_len": start})
+            assert res["output_ids"] == ref.greedy[k]
+            got_in = [x[0] for x in res["meta_info"]["input_token_logprobs"]]
+            if start == 0:
+                assert got_in[0] is None
+                got_in = got_in[1:]
+            assert got_in == pytest.approx(want_in, abs=TOL)
+            got_out = [x[0] for x in res["meta_info"]["output_token_logprobs"]]
+            assert got_out == pytest.approx(want_out, abs=TOL)
+        # (the logprob of position 64 needs position 63 computed: 63 cached)
+        assert res["meta_info"]["cached_tokens"] == 63
         srv.assert_kv_invariant()
     finally:
         srv.stop()
