@@ -70,12 +70,11 @@ def expanded_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             v = F.pad(v, (0, q.shape[-1] - dv))
             v_prefix = F.pad(v_prefix, (0, q.shape[-1] - dv))
         bs = len(prefix_lens)
-        # row b of the table: request b's prefix rows of k_prefix / v_prefix
-        starts = [0] * bs
-        for i in range(1, bs):
-            starts[i] = starts[i - 1] + prefix_lens[i - 1]
-        table = (torch.tensor(starts, dtype=torch.int64).unsqueeze(1)
-                 + torch.arange(max(1, max(prefix_lens)), dtype=torch.int64)).to(q.device)
+        # row b of the table: request b's prefix rows of k_prefix / v_prefix (built on the
+        # device from the metadata's lengths: no copy that waits for the device)
+        lens = meta.prefix_lens.long()
+        table = (torch.cumsum(lens, 0) - lens).unsqueeze(1) + torch.arange(
+            max(1, max(prefix_lens)), dtype=torch.int64, device=q.device)
         o = torch.empty_like(q)
         extend_attention_fwd(q, k, v, o, k_prefix, v_prefix, table,
                              torch.arange(bs, device=q.device), meta.prefix_lens,
