@@ -19,6 +19,7 @@ triton = pytest.importorskip("triton")
 
 from srt.layers.awq import AwqKernelWeight, AwqWeight, dequantize_awq, quantize_awq  # noqa: E402
 from srt.layers.fp8 import dequantize, quantize_per_channel  # noqa: E402
+from tests.kernels.compile_sm90 import compile_in_subprocess, ptxas  # noqa: E402
 from srt.layers.quant_gemm_triton import (  # noqa: E402
     WoConfig, dequantize_int4, split_workspace, wo_matmul)
 
@@ -223,18 +224,7 @@ def test_x_words_equal_the_per_value_loads_gpu(dtype: torch.dtype) -> None:
                 assert torch.equal(got, want), (m, rows, xx.stride(), xx.data_ptr() % 4)
 
 
-def _ptxas() -> str | None:
-    import shutil
-
-    try:
-        import triton.backends.nvidia as nv
-    except ImportError:
-        return None
-    path = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
-    return path if os.path.exists(path) else shutil.which("ptxas")
-
-
-@pytest.mark.skipif(_ptxas() is None, reason="Triton's NVIDIA backend has no ptxas here")
+@pytest.mark.skipif(ptxas() is None, reason="Triton's NVIDIA backend has no ptxas here")
 @pytest.mark.parametrize("x_dtype,words,rows,unroll", [
     ("fp16", 0, 1, 1), ("fp16", 1, 1, 1), ("fp16", 1, 2, 2), ("bf16", 0, 2, 1),
     ("bf16", 1, 2, 2)], ids=str)
@@ -244,17 +234,6 @@ def test_packed_path_compiles_for_sm90(x_dtype: str, words: int, rows: int,
     here for an H100/H200 through ptxas, in a process outside the interpreter. X_WORDS on
     float16 takes its pairs with byte permutes; bfloat16 words and the per-value path use
     none."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "kernels",
-                                                        "compile_sm90.py"),
-                           x_dtype, str(words), str(rows), str(unroll)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cubin, prmt = map(int, proc.stdout.split())
+    cubin, prmt = compile_in_subprocess("int4", x_dtype, str(words), str(rows), str(unroll))
     assert cubin > 0
     assert (prmt > 0) == (bool(words) and x_dtype == "fp16"), prmt

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from srt.layers import sampler  # noqa: E402
 from srt.layers.sample_triton import gumbel_sample  # noqa: E402
 from srt.layers.sampler import SamplingBatchInfo, sample  # noqa: E402
+from tests.kernels.compile_sm90 import compile_in_subprocess, ptxas  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -152,3 +153,13 @@ def test_a_kernel_that_fails_to_build_falls_back_to_torch(
     ids = sample(logits, info, torch.Generator(device=DEV).manual_seed(0))
     assert sampler.FUSED == "never" and "no PTX" in caplog.text
     assert int(ids[0]) == int(logits[0].argmax()) and 0 <= int(ids[1]) < 8
+
+
+@pytest.mark.skipif(ptxas() is None, reason="Triton's NVIDIA backend has no ptxas here")
+def test_kernels_compile_for_sm90() -> None:
+    """Both kernels through Triton's compiler and ptxas for an H100 / H200 (the interpreter
+    above does not compile them), stage 1 for float32 and bfloat16 logits: Philox's rounds
+    (multiply-high instructions) are in its code."""
+    chunk32, philox32, chunk16, philox16, pick, _ = compile_in_subprocess("sample")
+    assert min(chunk32, chunk16, pick) > 0
+    assert philox32 > 0 and philox16 > 0
