@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # One call (srt alone): the one-pass sampler's and the expanded MLA EXTEND's kernel tests on the
 # GPU; DeepSeek-V2-Lite W1 as committed (the expanded EXTEND on: TAG x) and without it (TAG n:
-# EXPAND_MAX_PREFIX_TOKENS = 0); bench_sampler; the latent decode's split count at W1's batch
-# sizes.
+# EXPAND_MAX_PREFIX_TOKENS = 0); bench_sampler.
 set -u
 R=$OUT/c1; mkdir -p $R
 OUT=$R bash scripts/gpu_peer_run.sh > $R/part.log 2>&1; tail -2 $R/part.log
@@ -16,5 +15,3 @@ SRT="offline:deepseek-v2-lite" TAG=n OUT=$R bash scripts/gpu_peer_run.sh 2>&1 | 
 sed -i 's/^EXPAND_MAX_PREFIX_TOKENS = 0$/EXPAND_MAX_PREFIX_TOKENS = 32768/' $F; grep -n "^EXPAND_MAX" $F
 timeout 60 python3 benchmarks/bench_sampler.py --out $R/sampler.json > $R/sampler.log 2>&1
 tail -22 $R/sampler.log
-timeout 100 python3 benchmarks/sweep_decode_ragged.py --mla --bs 128 200 256 --splits 1 2 3 4 6 \
-  --warps 4 8 --stages 2 --out $R/sweep_mla.json > $R/sweep_mla.log 2>&1; tail -30 $R/sweep_mla.log
