@@ -101,14 +101,20 @@ class SpecChain:
         self.dlen: torch.Tensor | None = None
         self.sampling_rows: SamplingRows | None = None
         # the step's device work as CUDA graphs (greedy chains of one rank on a GPU, no LoRA)
-        self.graphable = (self.dev.type == "cuda" and p.runner.graph_runner is not None
-                          and p.runner.lora is None and parallel_state.tp_size() == 1)
+        self.graphable = self.dev.type == "cuda" and self.graphs_apply(p)
         self.graphs: ChainGraphs | None = None
         self.greedy = False  # every request of the current chain is greedy
         self.graphed = 0  # steps launched through the graphs
         self.steps = 0  # chained steps launched
         self.starts = 0  # chains started (steps launched with nothing in flight to follow)
         self.found = 0  # (request, chained step) pairs whose suffix recurred
+
+    @staticmethod
+    def graphs_apply(p: ModelProcess) -> bool:
+        """Chained steps can run as CUDA graphs here: decode graphs captured, one rank, no
+        LoRA."""
+        return (p.runner.graph_runner is not None and p.runner.lora is None
+                and parallel_state.tp_size() == 1)
 
     @staticmethod
     def possible(p: ModelProcess) -> bool:
@@ -119,8 +125,7 @@ class SpecChain:
         args = p.args
         backend = p.runner.attn_backend
         mode = args.speculative_chain
-        wanted = mode == "on" or (mode == "auto" and p.runner.graph_runner is not None
-                                  and parallel_state.tp_size() == 1 and p.runner.lora is None)
+        wanted = mode == "on" or (mode == "auto" and SpecChain.graphs_apply(p))
         return (args.speculative_algorithm == "NGRAM" and p.spec is not None and p.overlap
                 and wanted
                 and p.spec.breadth == 1 and args.speculative_draft_tokens >= 1
