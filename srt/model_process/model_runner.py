@@ -118,11 +118,11 @@ class ModelRunner:
         # --enable-lora: the adapters' pool on the device, --lora-paths' adapters loaded
         self.lora: LoraManager | None = None
         if args.enable_lora:
-            from srt.lora.manager import LoraManager
+            from srt.lora import manager  # (imported only when LoRA serves)
 
-            self.lora = LoraManager(self.model, config.hf_config, args.max_loras_per_batch,
-                                    args.max_lora_rank, tuple(args.lora_target_modules),
-                                    self.device, self.dtype, args.lora_eviction_policy)
+            self.lora = manager.LoraManager(self.model, config.hf_config, args.max_loras_per_batch,
+                                            args.max_lora_rank, tuple(args.lora_target_modules),
+                                            self.device, self.dtype, args.lora_eviction_policy)
             for i, spec in enumerate(args.lora_specs):
                 self.lora.load(i + 1, spec.name, spec.path)
         if args.enable_custom_all_reduce:
@@ -131,9 +131,9 @@ class ModelRunner:
         # STANDALONE speculative decoding: the draft model, loaded before the pool is sized
         self.draft: DraftRunner | None = None
         if args.speculative_algorithm == "STANDALONE":
-            from srt.model_process.draft_runner import DraftRunner
+            from srt.model_process import draft_runner
 
-            self.draft = DraftRunner(self)
+            self.draft = draft_runner.DraftRunner(self)
         elif args.speculative_algorithm in ("EAGLE", "EAGLE3"):
             from srt.model_process.eagle_runner import EagleRunner
 
