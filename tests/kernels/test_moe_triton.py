@@ -18,8 +18,8 @@ triton = pytest.importorskip("triton")
 
 from srt.layers.moe import moe_forward_torch, route_topk  # noqa: E402
 from srt.layers.moe_triton import (  # noqa: E402
-    TILE_CONFIGS, TileConfig, align_pairs_by_expert, align_pairs_by_expert_torch, fused_moe_triton,
-    tile_config)
+    ALIGN_LARGE_CHUNK, ALIGN_LARGE_FROM, TILE_CONFIGS, TileConfig, align_pairs_by_expert,
+    align_pairs_by_expert_torch, fused_moe_triton, tile_config)
 
 
 def _case(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
@@ -62,12 +62,14 @@ def test_align_pairs_by_expert() -> None:
 @pytest.mark.parametrize("tokens,top_k,experts,block_m", [
     (1, 2, 8, 16), (3, 6, 64, 16), (128, 6, 64, 16), (77, 8, 128, 32), (300, 2, 5, 128),
     (50, 4, 160, 16),
+    (683, 6, 64, 16),  # 4,098 pairs: over ALIGN_LARGE_FROM, large chunks, the last partial
 ])
 def test_align_kernel_equals_torch_layout(tokens: int, top_k: int, experts: int,
                                           block_m: int) -> None:
     """The one-launch layout equals the torch one exactly (stable order within an expert),
     with some experts unused, expert counts not a power of two, and more pairs than one chunk;
     skewed ids put most pairs on a few experts."""
+    assert ALIGN_LARGE_FROM < 4098 and 4098 % ALIGN_LARGE_CHUNK
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(tokens * experts)
     for skew in (False, True):
