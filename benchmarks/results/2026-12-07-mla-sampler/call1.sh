@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call (srt alone): the one-pass sampler's and the expanded MLA EXTEND's kernel tests on the
 # GPU; DeepSeek-V2-Lite W1 as committed (the expanded EXTEND on: TAG x) and without it (TAG n:
-# EXPAND_MAX_PREFIX_TOKENS = 0); bench_sampler.
+# EXPAND_MAX_PREFIX_TOKENS = 0); W1 with fills of up to 8,192 tokens while requests decode
+# (TAG f); bench_sampler.
 set -u
 R=$OUT/c1; mkdir -p $R
 OUT=$R bash scripts/gpu_peer_run.sh > $R/part.log 2>&1; tail -2 $R/part.log
@@ -13,5 +14,7 @@ F=srt/models/deepseek_v2.py
 sed -i 's/^EXPAND_MAX_PREFIX_TOKENS = 32768$/EXPAND_MAX_PREFIX_TOKENS = 0/' $F; grep -n "^EXPAND_MAX" $F
 SRT="offline:deepseek-v2-lite" TAG=n OUT=$R bash scripts/gpu_peer_run.sh 2>&1 | grep -v "^/" | tail -14
 sed -i 's/^EXPAND_MAX_PREFIX_TOKENS = 0$/EXPAND_MAX_PREFIX_TOKENS = 32768/' $F; grep -n "^EXPAND_MAX" $F
+SRT="offline:deepseek-v2-lite" TAG=f SRT_ARGS="--max-fill-tokens-while-decoding 8192" OUT=$R \
+  bash scripts/gpu_peer_run.sh 2>&1 | grep -v "^/" | tail -14
 timeout 60 python3 benchmarks/bench_sampler.py --out $R/sampler.json > $R/sampler.log 2>&1
 tail -22 $R/sampler.log
