@@ -11,7 +11,7 @@ timeout 200 python3 benchmarks/profile_decode.py --shape deepseek-v2-lite --w1 -
 grep -v "^\s*$" $R/profile_fill.log | grep -v "^ .*site-packages\|{built-in\|{method\|^---" \
   | sed -E 's/ +/ /g' | cut -c1-150 | tail -60
 timeout 100 python3 benchmarks/sweep_decode_ragged.py --mla --bs 128 200 256 --splits 1 2 3 4 6 \
-  --warps 4 8 --stages 2 --out $R/sweep_mla.json > $R/sweep_mla.log 2>&1; tail -30 $R/sweep_mla.log
+  --warps 4 8 --stages 2 --block-n 32 --out $R/sweep_mla.json > $R/sweep_mla.log 2>&1; tail -30 $R/sweep_mla.log
 SRT="latency:deepseek-v2-lite" TAG=x OUT=$R bash scripts/gpu_peer_run.sh 2>&1 | grep -v "^/" | tail -8
 F=srt/layers/moe_triton.py
 for c in 2048 1024 256; do
