@@ -15,11 +15,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The cached prefix of the warm-up's EXTEND rounds over many new tokens
+EXPAND_PREFIX = 8
+
 
 def warm_up(p: ModelProcess) -> None:
     """Serve a few requests before reporting ready, so that the kernels of the fill paths (a
     PREFILL batch of three prompts, then an EXTEND batch with and without a cached prefix; odd
-    and even token counts), of sampling and of decode steps are compiled and loaded now rather
+    and even token counts; then two EXTEND steps of many new tokens over a short cached
+    prefix), of sampling and of decode steps are compiled and loaded now rather
     than inside the first users' requests (a fill otherwise pays seconds of Triton
     compilation), then the fused MoE kernel's larger tile sizes, which only fills of a few
     hundred tokens or more take (`warm_up_experts`). Every rank runs the same requests; the
@@ -48,6 +52,15 @@ def warm_up(p: ModelProcess) -> None:
     first = ids(7, n)
     rounds = [[first, ids(11, n // 2 + 1), ids(13, n // 3)],          # PREFILL, 3 prompts
               [first[: n // 2] + ids(17, n // 4 + 1), ids(19, n // 5)]]  # EXTEND, mixed
+    # EXTEND steps of many new tokens over a short cached prefix (a multiple of 16 new tokens,
+    # then one fewer): the steps MLA models compute over expanded latents (a chunked prompt's
+    # next chunk; `deepseek_v2.expanded_extend_pays`), whose kernels the round above, with
+    # few new tokens a cached one, does not compile
+    new = (n - EXPAND_PREFIX) // 16 * 16
+    if new >= 48:
+        rounds += [[first[:EXPAND_PREFIX] + ids(23, new), ids(29, n // 48 * 16)],
+                   [first[:EXPAND_PREFIX] + ids(31, new - 1)]]
+    params += [params[1]] * (len(rounds) - len(params))
     for k, prompts in enumerate(rounds):
         reqs = [TokenizedGenerateReq(f"warmup-{k}-{i}", x, dict(params[k]))
                 for i, x in enumerate(prompts)]

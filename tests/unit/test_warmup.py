@@ -9,6 +9,7 @@ from srt.layers.forward_batch import ForwardMode
 from srt.model_process.executor import StepExecutor
 from srt.model_process.loop import ModelProcess
 from srt.model_process.warmup import warm_up
+from srt.models.deepseek_v2 import expanded_extend_pays
 from srt.server_args import ServerArgs
 
 
@@ -21,10 +22,13 @@ def _args(path: str, **kw) -> ServerArgs:
 def test_warm_up_runs_every_path_and_leaves_nothing(monkeypatch) -> None:
     path = write_shape_dir("tiny", tempfile.mkdtemp(prefix="srt-warmup-"))
     seen: list[tuple[ForwardMode, list[int]]] = []
+    extends: list[tuple[list[int], list[int]]] = []
     launch = StepExecutor.launch
 
     def spy(self, plan, *args):
         seen.append((plan.mode, list(plan.prefix_lens)))
+        if plan.mode == ForwardMode.EXTEND:
+            extends.append((list(plan.prefix_lens), list(plan.extend_lens)))
         return launch(self, plan, *args)
 
     monkeypatch.setattr(StepExecutor, "launch", spy)
@@ -35,6 +39,11 @@ def test_warm_up_runs_every_path_and_leaves_nothing(monkeypatch) -> None:
     assert modes[0] == ForwardMode.PREFILL and len(seen[0][1]) == 3
     ext = [p for m, p in seen if m == ForwardMode.EXTEND]
     assert ext and any(ext[0]) and not all(ext[0])  # with and without a cached prefix
+    # steps that DeepSeek-V2-Lite computes over expanded latents (kv_lora_rank 512, rope 64,
+    # nope 128, v 128), with an even and an odd number of new tokens
+    expanded = [sum(e) for p, e in extends if any(p) and expanded_extend_pays(p, e, 512, 64,
+                                                                               128, 128)]
+    assert {x % 2 for x in expanded} == {0, 1}, extends
     assert ForwardMode.DECODE in modes
     assert server.kv.pool.available_size() == server.kv.pool.size
     assert server.kv.req_pool.available_size() == server.kv.req_pool.size
