@@ -138,7 +138,8 @@ def main() -> None:
         g = torch.Generator().manual_seed(bs)
         lens = torch.randint(lo, hi + 1, (bs,), generator=g).tolist()
         case = RaggedDecode(lens, a.slots == "contiguous", kv_dtype, a.shared, v_dim=v_dim)
-        chosen = dec.choose_num_kv_splits(bs, ba.HKV, 1 << 30)
+        chosen = dec.choose_num_kv_splits(bs, ba.HKV, 1 << 30, programs_per_sm=(
+            dcfg.DECODE_MLA_PROGRAMS_PER_SM if a.mla else dcfg.DECODE_PROGRAMS_PER_SM))
 
         def add(name: str, fn: Callable[[], Any], **cfg: Any) -> None:
             ms = graph_time_ms(fn)

@@ -30,6 +30,7 @@ triton = pytest.importorskip("triton")
 
 from srt.layers.attention.torch_backend import TorchAttnBackend  # noqa: E402
 from srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from srt.layers.attention.triton_ops.decode_config import DECODE_MLA_PROGRAMS_PER_SM  # noqa: E402
 from srt.layers.attention.triton_ops import (  # noqa: E402
     choose_num_kv_splits,
     context_attention_fwd,
@@ -458,6 +459,11 @@ def test_choose_num_kv_splits() -> None:
     assert choose_num_kv_splits(1, 8, 1, num_sms=sms) == 1
     assert choose_num_kv_splits(512, 8, 4096, num_sms=sms) == 1
     assert choose_num_kv_splits(1, 8, 8192, num_sms=sms, max_splits=16) == 16
+    # latent attention (one KV head; DECODE_MLA_PROGRAMS_PER_SM 3): batch 200 and 256 two
+    # splits, 128 four (the sizes an H100 sweep of DeepSeek-V2-Lite's heads chose)
+    for bs, splits in ((200, 2), (256, 2), (128, 4), (8, 50)):
+        assert choose_num_kv_splits(bs, 1, 1 << 20, num_sms=sms,
+                                    programs_per_sm=DECODE_MLA_PROGRAMS_PER_SM) == splits
     for bs in (1, 2, 3, 7, 16, 33, 64, 200):
         for kv in (1, 2, 8):
             for n in (1, 63, 64, 65, 1000, 4096, 100000):

@@ -34,6 +34,8 @@ from srt.layers.attention.triton_ops.decode_attention import (
     choose_shared_splits,
     device_num_sms,
 )
+from srt.layers.attention.triton_ops.decode_config import (DECODE_MLA_PROGRAMS_PER_SM,
+                                                           DECODE_PROGRAMS_PER_SM)
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.radix_attention import RadixAttention
 
@@ -100,6 +102,9 @@ class TritonAttnBackend(AttentionBackend):
                               default=self.head_dim)
         self.num_sms = device_num_sms(self.device)
         self.max_kv_splits = DECODE_MAX_KV_SPLITS
+        # latent attention's programs are larger (all heads over a 576-wide latent)
+        self.programs_per_sm = (DECODE_MLA_PROGRAMS_PER_SM if self.v_head_dim > 256
+                                else DECODE_PROGRAMS_PER_SM)
         # The flat workspace holds bs * splits partial results; size it for the largest
         # bs * choose_num_kv_splits(bs, ...) any batch up to max_bs can ask for.
         need = max(
@@ -113,8 +118,8 @@ class TritonAttnBackend(AttentionBackend):
 
     def _splits(self, bs: int, max_seq_len: int) -> int:
         return choose_num_kv_splits(
-            bs, self.num_kv_heads, max_seq_len, num_sms=self.num_sms, max_splits=self.max_kv_splits
-        )
+            bs, self.num_kv_heads, max_seq_len, num_sms=self.num_sms,
+            max_splits=self.max_kv_splits, programs_per_sm=self.programs_per_sm)
 
     # ------------------------------------------------------------------ per step
 
