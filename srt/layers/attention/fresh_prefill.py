@@ -71,10 +71,13 @@ def expanded_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             v_prefix = F.pad(v_prefix, (0, q.shape[-1] - dv))
         bs = len(prefix_lens)
         # row b of the table: request b's prefix rows of k_prefix / v_prefix (built on the
-        # device from the metadata's lengths: no copy that waits for the device)
+        # device from the metadata's lengths: no copy that waits for the device); its width a
+        # multiple of 16, so that its row stride, which Triton specializes on, takes one
+        # compiled variant of the kernel (the warm-up's), not a compile inside serving
         lens = meta.prefix_lens.long()
+        width = -(-max(1, max(prefix_lens)) // 16) * 16
         table = (torch.cumsum(lens, 0) - lens).unsqueeze(1) + torch.arange(
-            max(1, max(prefix_lens)), dtype=torch.int64, device=q.device)
+            width, dtype=torch.int64, device=q.device)
         o = torch.empty_like(q)
         extend_attention_fwd(q, k, v, o, k_prefix, v_prefix, table,
                              torch.arange(bs, device=q.device), meta.prefix_lens,
