@@ -47,7 +47,8 @@ from srt.model_process.intake import handle_control, new_req
 from srt.model_process.kv import KVManager
 from srt.model_process.model_runner import ModelRunner
 from srt.model_process.output import OutputProcessor
-from srt.model_process.policy import FillWait, TokenRatio, fill_wait_tokens, next_fill
+from srt.model_process.policy import (FillWait, TokenRatio, fill_cap_tokens, fill_wait_tokens,
+                                      next_fill)
 from srt.model_process.retraction import make_room
 from srt.model_process.spec_chain import ChainStep, SpecChain, apply_chained, chain_step
 from srt.model_process.speculative import Speculator
@@ -78,7 +79,8 @@ class ModelProcess:
         self.inflight: InFlight | None = None  # the last launched decode step, not yet read
         self.overlap = not args.disable_overlap_schedule
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
-        cap = args.max_fill_tokens_while_decoding
+        cap = fill_cap_tokens(args, self.runner.model)
+        self.fill_cap = cap
         self.decoding_chunk_size = min(cap, self.chunk_size or cap) if cap > 0 else self.chunk_size
         self.mixed = args.enable_mixed_chunk
         self._decode_turn = False  # running requests decode once before the next fill

@@ -90,7 +90,7 @@ def stats(p: ModelProcess) -> dict[str, Any]:
         "slow_rounds": c.slow_rounds.snapshot(),
         "prefill_chunks": c.prefill_chunks,
         "chunked_prefill_size": p.chunk_size or -1,
-        "max_fill_tokens_while_decoding": p.args.max_fill_tokens_while_decoding,
+        "max_fill_tokens_while_decoding": p.fill_cap,
         "min_fill_tokens_while_decoding": p.fill_wait.min_tokens,
         "fill_wait_steps": c.fills_waited,
         "overlap_schedule": p.overlap,

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from srt.managers.io_struct import TokenizedGenerateReq
-from srt.model_process.policy import MOE_MIN_FILL_TOKENS, FillWait
+from srt.model_process.policy import (DENSE_MAX_FILL_TOKENS, MOE_MAX_FILL_TOKENS,
+                                      MOE_MIN_FILL_TOKENS, FillWait)
 from tests.model_process import cpu_model_server, kv_is_free, serve_all
 from tests.random_models import save_random_llama, save_random_model
 
@@ -83,3 +84,15 @@ def test_moe_models_wait_by_default(tmp_path: Any) -> None:
     assert server.fill_wait.min_tokens == MOE_MIN_FILL_TOKENS
     assert cpu_model_server(path, max_total_tokens=400, min_fill_tokens_while_decoding=0
                             ).fill_wait.min_tokens == 0
+    # and fill larger while requests decode (each fill reads every expert)
+    assert server.fill_cap == MOE_MAX_FILL_TOKENS == server.decoding_chunk_size
+    capped = cpu_model_server(path, max_total_tokens=400, max_fill_tokens_while_decoding=1024)
+    assert capped.fill_cap == capped.decoding_chunk_size == 1024
+
+
+def test_dense_models_cap_fills_while_decoding(llama: str) -> None:
+    server = cpu_model_server(llama, max_total_tokens=400)
+    assert server.fill_cap == DENSE_MAX_FILL_TOKENS == server.decoding_chunk_size
+    assert server.fill_wait.min_tokens == 0
+    uncapped = cpu_model_server(llama, max_total_tokens=400, max_fill_tokens_while_decoding=-1)
+    assert uncapped.decoding_chunk_size == uncapped.chunk_size
