@@ -6,12 +6,14 @@ weight-read floor.
 For each layer (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) and rows
 M: device time per product of bf16 (`F.linear`), FP8 as srt runs it (srt/layers/fp8.py: the
 weight-only kernel up to WEIGHT_ONLY_MAX_ROWS rows, else per-token activation quantization +
-`torch._scaled_mm`), FP8 through `_scaled_mm` at every M (`fp8_smm`), and AWQ int4 group 128
+the split-K kernel up to FP8_GEMM_MAX_ROWS or `torch._scaled_mm`), FP8 through `_scaled_mm` at
+every M (`fp8_smm`), the split-K kernel at every M (`fp8_gemm`), and AWQ int4 group 128
 (srt/layers/awq.py AwqKernelWeight). Times are of 20 products replayed in one CUDA graph (no
 launch gaps; the median of 20 replays), each on its own copy of the weight (copies of at
 least 200 MB together, so that weights come from memory, not the L2). The floor is the weight bytes over the copy bandwidth
 measured in the same run. `--sweep` also times the weight-only kernel's tiles (both formats)
-at each M and prints the best per layer, format and M next to the default's. `--dtype
+at each M and prints the best per layer, format and M next to the default's (`--formats
+fp8gemm`: the split-K FP8 x FP8 kernel's tiles and splits, activation quantization included). `--dtype
 float16` runs activations and the dense weight (the `bf16` columns) in float16.
 `awq_values_ms`: the int4 kernel at its default tiles with X_WORDS off (x read one value at a
 time rather than as words of two channels; packed path, M <= 4), which the sweep also tries.
@@ -58,6 +60,17 @@ def sweep_configs(m: int, int4: bool, gemv_only: bool = False,
     return configs
 
 
+def fp8gemm_configs(m: int) -> list[Any]:
+    """The split-K FP8 kernel's configurations tried at m rows: row tiles of the batch rounded
+    up (16-128) and half that, 32-128 columns, 1-8 parts of K; 8 warps for 128 rows, else 4."""
+    from srt.layers.fp8_gemm_triton import Fp8GemmConfig
+
+    bm = min(max(1 << (m - 1).bit_length(), 16), 128)
+    return [Fp8GemmConfig(b, bn, 128, sp, 8 if b == 128 else 4)
+            for b, bn, sp in itertools.product(sorted({bm, max(bm // 2, 16)}), (32, 64, 128),
+                                               (1, 2, 3, 4, 6, 8))]
+
+
 def _sweep_configs(m: int, int4: bool, gemv_only: bool) -> list[Any]:
     from srt.layers.quant_gemm_triton import WoConfig
 
@@ -91,8 +104,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=ROWS)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 4, 16, 64])
-    p.add_argument("--formats", nargs="+", default=["fp8", "awq"], choices=["fp8", "awq"],
-                   help="the formats --sweep tries")
+    p.add_argument("--formats", nargs="+", default=["fp8", "awq"],
+                   choices=["fp8", "awq", "fp8gemm"],
+                   help="the formats --sweep tries (without awq, no AWQ column either)")
     p.add_argument("--gemv-only", action="store_true",
                    help="--sweep: only the CUDA-core kernel's tiles at M = 1")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
@@ -104,6 +118,7 @@ def main() -> None:
         sys.exit("bench_quant_gemm needs a CUDA GPU")
     from srt.layers.awq import AwqKernelWeight, AwqWeight, quantize_awq
     from srt.layers.fp8 import Fp8Weight, quantize_per_channel
+    from srt.layers.fp8_gemm_triton import default_fp8_gemm_config, fp8_gemm
     from srt.layers.fp8_triton import quantize_per_token_triton
     from srt.layers.quant_gemm_triton import default_config, wo_matmul
 
@@ -114,13 +129,14 @@ def main() -> None:
     for name, (n, k) in LAYERS.items():
         w0 = torch.randn(n, k, device="cuda", generator=g, dtype=dtype) * k**-0.5
         fp80 = Fp8Weight(*quantize_per_channel(w0))
-        awq0 = AwqKernelWeight.from_checkpoint(
-            AwqWeight(*(t.cuda() for t in quantize_awq(w0.float().cpu(), 128))))
+        awq = "awq" in a.formats  # (its CPU quantization of each layer takes a while)
+        awq0 = AwqKernelWeight.from_checkpoint(AwqWeight(*(
+            t.cuda() for t in quantize_awq((w0 if awq else w0[:128]).float().cpu(), 128))))
         ws = [w0] + [w0.clone() for _ in range(-(-ROTATE_BYTES // (n * k * 2)) - 1)]
         fp8s = [fp80] + [Fp8Weight(fp80.qweight.clone(), fp80.scale.clone())
                          for _ in range(-(-ROTATE_BYTES // (n * k)) - 1)]
         awqs = [awq0] + [AwqKernelWeight(awq0.w.clone(), awq0.scales.clone(), awq0.zeros.clone())
-                         for _ in range(-(-ROTATE_BYTES // (n * k // 2)) - 1)]
+                         for _ in range(-(-ROTATE_BYTES // (n * k // 2)) - 1 if awq else 0)]
         floors = {"bf16": n * k * 2 / bw * 1e3, "fp8": n * k / bw * 1e3,
                   "awq": (n * k / 2 + n * k / 128 * 3) / bw * 1e3}
 
@@ -129,6 +145,10 @@ def main() -> None:
             return torch._scaled_mm(xq, fp8.qweight.t(), scale_a=xs, scale_b=fp8.scale_row,
                                     out_dtype=x.dtype)
 
+        def gemm(x: torch.Tensor, fp8: Fp8Weight, cfg: Any = None) -> torch.Tensor:
+            xq, xs = quantize_per_token_triton(x)
+            return fp8_gemm(xq, xs, fp8.qweight, fp8.scale, x.dtype, config=cfg)
+
         for m in a.rows:
             x = torch.randn(m, k, device="cuda", generator=g, dtype=dtype)
             row: dict[str, Any] = {"layer": name, "M": m}
@@ -136,8 +156,11 @@ def main() -> None:
             row["fp8_ms"] = graph_ms(lambda i: fp8s[i % len(fp8s)].matmul(x))
             row["fp8_smm_ms"] = (graph_ms(lambda i: smm(x, fp8s[i % len(fp8s)]))
                                  if fp80.scaled_mm else float("nan"))
-            row["awq_ms"] = graph_ms(lambda i: awqs[i % len(awqs)].matmul(x))
-            if m <= 4:
+            row["fp8_gemm_ms"] = (graph_ms(lambda i: gemm(x, fp8s[i % len(fp8s)]))
+                                  if fp80.scaled_mm else float("nan"))
+            row["awq_ms"] = (graph_ms(lambda i: awqs[i % len(awqs)].matmul(x)) if awq
+                             else float("nan"))
+            if m <= 4 and awq:
                 wcfg = replace(default_config(m, n, k, True, 128), X_WORDS=0)
                 row["awq_values_ms"] = graph_ms(lambda i: wo_matmul(
                     x, awqs[i % len(awqs)].w, awqs[i % len(awqs)].scales,
@@ -145,11 +168,33 @@ def main() -> None:
             for fmt in ("bf16", "fp8", "awq"):
                 row[f"{fmt}_x_floor"] = row[f"{fmt}_ms"] / floors[fmt]
             row["fp8_vs_bf16"] = row["bf16_ms"] / row["fp8_ms"]
+            row["gemm_vs_smm"] = row["fp8_smm_ms"] / row["fp8_gemm_ms"]
             row["awq_vs_bf16"] = row["bf16_ms"] / row["awq_ms"]
             rows_out.append(row)
         if not a.sweep:
             continue
-        for m, int4 in itertools.product(a.sweep_rows, [f == "awq" for f in a.formats]):
+        for m in a.sweep_rows if "fp8gemm" in a.formats and fp80.scaled_mm else []:
+            x = torch.randn(m, k, device="cuda", generator=g, dtype=dtype)
+            timed = []
+            for cfg in fp8gemm_configs(m):
+                try:
+                    timed.append((graph_ms(lambda i: gemm(x, fp8s[i % len(fp8s)], cfg)), cfg))
+                except Exception as e:  # a tile the compiler refuses (resources)
+                    print(f"skip {cfg}: {type(e).__name__}", file=sys.stderr)
+            if not timed:
+                continue
+            timed.sort(key=lambda t: t[0])
+            smm_ms = graph_ms(lambda i: smm(x, fp8s[i % len(fp8s)]))
+            sweep_out.append({"layer": name, "fmt": "fp8gemm", "M": m,
+                              "default_ms": graph_ms(lambda i: gemm(x, fp8s[i % len(fp8s)])),
+                              "default": str(default_fp8_gemm_config(
+                                  m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)),
+                              "best_ms": timed[0][0], "best": str(timed[0][1]),
+                              "next": "; ".join(f"{c} {ms:.4f}" for ms, c in timed[1:4]),
+                              "floor_ms": floors["fp8"], "smm_ms": smm_ms})
+            print(sweep_out[-1], flush=True)
+        for m, int4 in itertools.product(a.sweep_rows, [f == "awq" for f in a.formats
+                                                        if f != "fp8gemm"]):
             x = torch.randn(m, k, device="cuda", generator=g, dtype=dtype)
             args = ([(a_.w, a_.scales, a_.zeros) for a_ in awqs] if int4
                     else [(f.qweight, f.scale) for f in fp8s])
@@ -172,13 +217,16 @@ def main() -> None:
                               "next": "; ".join(f"{c} {ms:.4f}" for ms, c in timed[1:4]),
                               "floor_ms": floors[fmt]})
             print(sweep_out[-1], flush=True)  # kept if the run is cut short
-    cols = ["layer", "M", "bf16_ms", "fp8_ms", "fp8_smm_ms", "awq_ms", "awq_values_ms",
-            "bf16_x_floor", "fp8_x_floor", "awq_x_floor", "fp8_vs_bf16", "awq_vs_bf16"]
+    cols = ["layer", "M", "bf16_ms", "fp8_ms", "fp8_smm_ms", "fp8_gemm_ms", "awq_ms",
+            "awq_values_ms", "bf16_x_floor", "fp8_x_floor", "awq_x_floor", "fp8_vs_bf16",
+            "gemm_vs_smm", "awq_vs_bf16"]
     for r in rows_out:
         r.setdefault("awq_values_ms", float("nan"))
     print_table(rows_out, cols)
-    if sweep_out:
-        print_table(sweep_out, list(sweep_out[0]))
+    for fmt in ("fp8gemm", "fp8", "awq"):  # (the formats' rows have different keys)
+        part = [r for r in sweep_out if r["fmt"] == fmt]
+        if part:
+            print_table(part, list(part[0]))
     write_json(a.out, {"bench": "quant_gemm", "argv": sys.argv, "hardware": hardware(),
                        "copy_bandwidth_Bps": bw, "dtype": a.dtype, "rows": rows_out,
                        "sweep": sweep_out})

@@ -5,8 +5,9 @@ one scale per output row (per channel), `scale = max|w_row| / 448`, `q = round_e
 so the weight becomes `q * scale`. On the GPU, products of few rows (decode) read the FP8
 weight in a weight-only Triton kernel (srt/layers/quant_gemm_triton.py; compute capability
 8.9 and newer); larger ones quantize the activations per token (`scale = max|x_token| / 448`)
-and run through `torch._scaled_mm` with both scale vectors (row-wise scaling: Hopper and
-newer). Elsewhere (the CPU, older GPUs, shapes `_scaled_mm` cannot take) the weight is
+and multiply in FP8 with both scale vectors (Hopper and newer): up to FP8_GEMM_MAX_ROWS rows
+(decode batches) in srt's split-K kernel (srt/layers/fp8_gemm_triton.py), beyond through
+`torch._scaled_mm` (row-wise scaling). Elsewhere (the CPU, older GPUs, shapes `_scaled_mm` cannot take) the weight is
 dequantized to the activation dtype for each product: slow, exact to the dequantized weight,
 which is what the tests compare against.
 
@@ -30,6 +31,9 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # (srt/layers/quant_gemm_triton.py) rather than quantizing x for torch._scaled_mm: where the
 # product is bound by the weight's bytes, the activation's quantization only adds a kernel.
 WEIGHT_ONLY_MAX_ROWS = 16
+# Rows up to which FP8 x FP8 products run in the split-K kernel rather than torch._scaled_mm,
+# whose one program per output tile leaves most SMs idle on decode batches.
+FP8_GEMM_MAX_ROWS = 256
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,13 +80,15 @@ class Fp8Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ (qweight * scale).T in x's dtype. Half-precision x on the GPU: up to
         WEIGHT_ONLY_MAX_ROWS rows (decode) the weight-only kernel, which reads the FP8 weight
-        and leaves x as it is; more rows quantize x per token for _scaled_mm. Otherwise the
-        weight is dequantized for the product."""
+        and leaves x as it is; more rows quantize x per token for the split-K kernel (up to
+        FP8_GEMM_MAX_ROWS) or _scaled_mm. Otherwise the weight is dequantized for the
+        product."""
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             shape = x.shape
             x2 = x.reshape(-1, shape[-1])
+            rows = x2.shape[0]
             out = None
-            if self.weight_only and x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
+            if self.weight_only and rows <= WEIGHT_ONLY_MAX_ROWS:
                 from srt.layers.quant_gemm_triton import wo_matmul
 
                 out = wo_matmul(x2 if x2.stride(1) == 1 else x2.contiguous(), self.qweight,
@@ -90,9 +96,14 @@ class Fp8Weight:
             elif self.scaled_mm:
                 from srt.layers.fp8_triton import quantize_per_token_triton
 
-                xq, xs = quantize_per_token_triton(x2)
-                out = torch._scaled_mm(xq, self.qweight.t(), scale_a=xs,
-                                       scale_b=self.scale_row, out_dtype=x.dtype)
+                xq, xs = quantize_per_token_triton(x2 if x2.stride(1) == 1 else x2.contiguous())
+                if rows <= FP8_GEMM_MAX_ROWS:
+                    from srt.layers.fp8_gemm_triton import fp8_gemm
+
+                    out = fp8_gemm(xq, xs, self.qweight, self.scale, x.dtype)
+                else:
+                    out = torch._scaled_mm(xq, self.qweight.t(), scale_a=xs,
+                                           scale_b=self.scale_row, out_dtype=x.dtype)
             if out is not None:
                 return out.reshape(*shape[:-1], out.shape[-1])
         return torch.nn.functional.linear(x, dequantize(self.qweight, self.scale, x.dtype))

@@ -5,12 +5,16 @@ interpreter):
 
     python tests/kernels/compile_sm90.py int4 X_DTYPE X_WORDS ROWS UNROLL_N
     python tests/kernels/compile_sm90.py sample
+    python tests/kernels/compile_sm90.py fp8gemm
 
 int4: the weight-only kernel's packed path (X_DTYPE fp16 or bf16; X_WORDS 0 or 1: the kernel's
 constant is 1 for float16, 2 for bfloat16, as wo_matmul sets it); prints the cubin's size and
 the number of byte permutes (prmt) in the PTX.
 sample: the one-pass sampler's two kernels (float32 and bfloat16 logits); prints each cubin's
-size and the number of Philox rounds' multiply-high instructions (mul.hi) in its PTX."""
+size and the number of Philox rounds' multiply-high instructions (mul.hi) in its PTX.
+fp8gemm: the split-K FP8 product's kernels (128 x 64 tiles whose partial sums are stored, and
+64 x 64 unsplit with bf16 out, then the second pass); prints each cubin's size and the number
+of FP8 tensor-core instructions (wgmma on e4m3) in its PTX."""
 
 from __future__ import annotations
 
@@ -82,10 +86,29 @@ def sample() -> None:
     print(len(k.asm["cubin"]), 0)
 
 
+def fp8gemm() -> None:
+    from srt.layers.fp8_gemm_triton import SUM_BLOCK, _fp8_splitk_kernel, _splitk_sum_kernel
+
+    for bm, warps, split in ((128, 8, 4), (64, 4, 1)):
+        ptrs = {"x_ptr": "fp8e4nv", "xs_ptr": "fp32", "w_ptr": "fp8e4nv", "s_ptr": "fp32",
+                "out_ptr": "bf16", "part_ptr": "fp32"}
+        k = _compile(_fp8_splitk_kernel, ptrs,
+                     dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, DIRECT=split == 1, EVEN_K=True,
+                          UPCAST=False), warps)
+        ptx = k.asm["ptx"]
+        print(len(k.asm["cubin"]), sum("wgmma.mma_async" in ln and "e4m3" in ln
+                                       for ln in ptx.splitlines()))
+    ptrs = {"part_ptr": "fp32", "xs_ptr": "fp32", "s_ptr": "fp32", "out_ptr": "bf16"}
+    k = _compile(_splitk_sum_kernel, ptrs, dict(SPLIT_K=4, BLOCK=SUM_BLOCK), 4)
+    print(len(k.asm["cubin"]), 0)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "int4":
         int4(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     elif sys.argv[1] == "sample":
         sample()
+    elif sys.argv[1] == "fp8gemm":
+        fp8gemm()
     else:
         raise SystemExit(f"unknown kernel {sys.argv[1]!r}")
