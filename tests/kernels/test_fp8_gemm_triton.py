@@ -29,8 +29,9 @@ def _case(m: int, n: int, k: int, seed: int):
     xs = torch.rand(m, 1, generator=g) * 1e-2 + 1e-3
     w = ((torch.rand(n, k, generator=g) * 2 - 1) * 400).to(FP8_DTYPE)
     s = torch.rand(n, generator=g) * 1e-3 + 1e-4
+    xq, xs, w, s = (t.to(DEV) for t in (xq, xs, w, s))
     want = (xq.double() * xs.double()) @ (w.double() * s.double()[:, None]).T
-    return [t.to(DEV) for t in (xq, xs, w, s)], want
+    return [xq, xs, w, s], want
 
 
 def _poisoned_call(args, dtype, cfg):
@@ -48,13 +49,13 @@ def test_equals_the_float64_product(m: int, n: int, k: int, split: int) -> None:
     cfg = Fp8GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=split)
     got = _poisoned_call(args, torch.float32, cfg)
     assert not got.isnan().any()
-    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5,
+    torch.testing.assert_close(got.double(), want, rtol=1e-5,
                                atol=1e-5 * want.abs().max().item())
     again = fp8_gemm(*args, torch.float32, config=cfg)
     assert torch.equal(got, again)
     # a tile scaled by the wrong channel's scale would not match
     wrong = fp8_gemm(args[0], args[1], args[2], args[3].flip(0), torch.float32, config=cfg)
-    assert not torch.allclose(wrong.double().cpu(), want, rtol=1e-3)
+    assert not torch.allclose(wrong.double(), want, rtol=1e-3)
 
 
 def test_default_config_splits_k_for_few_tiles() -> None:
@@ -95,7 +96,7 @@ def test_gpu_layer_widths(layer: tuple[int, int], m: int) -> None:
     args, want = _case(m, n, k, seed=m + n)
     got = _poisoned_call(args, torch.bfloat16, None)
     # FP8 MMA sums on Hopper keep fewer bits than float32; bf16 output rounding on top
-    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-2,
+    torch.testing.assert_close(got.double(), want, rtol=1e-2,
                                atol=1e-2 * want.abs().max().item())
     assert torch.equal(got, fp8_gemm(*args, torch.bfloat16))
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
