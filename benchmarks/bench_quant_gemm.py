@@ -102,6 +102,7 @@ def _sweep_configs(m: int, int4: bool, gemv_only: bool) -> list[Any]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=ROWS)
+    p.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--formats", nargs="+", default=["fp8", "awq"],
@@ -126,7 +127,8 @@ def main() -> None:
     rows_out: list[dict[str, Any]] = []
     sweep_out: list[dict[str, Any]] = []
     g = torch.Generator(device="cuda").manual_seed(0)
-    for name, (n, k) in LAYERS.items():
+    for name in a.layers:
+        n, k = LAYERS[name]
         w0 = torch.randn(n, k, device="cuda", generator=g, dtype=dtype) * k**-0.5
         fp80 = Fp8Weight(*quantize_per_channel(w0))
         awq = "awq" in a.formats  # (its CPU quantization of each layer takes a while)

@@ -2,7 +2,7 @@
 # One call on one GPU: the split-K FP8 product's GPU tests; the 8B layers' products at 17-256 rows
 # (srt's FP8 path, _scaled_mm, the split-K kernel's defaults); Llama-3-8B FP8 W1 with the
 # split-K kernel (TAG k) and without it (FP8_GEMM_MAX_ROWS = 0 in this copy of the tree: TAG s);
-# then the kernel's tile and split sweep at 32-256 rows.
+# then the kernel's tile and split sweep at 64-256 rows on the o and down products.
 set -u
 R=$OUT/c1; mkdir -p $R
 TESTS="tests/kernels/test_fp8_gemm_triton.py tests/kernels/test_fp8_triton.py" SRT="tests" \
@@ -16,7 +16,7 @@ W1 k
 sed -i 's/^FP8_GEMM_MAX_ROWS = 256$/FP8_GEMM_MAX_ROWS = 0/' srt/layers/fp8.py
 W1 s
 sed -i 's/^FP8_GEMM_MAX_ROWS = 0$/FP8_GEMM_MAX_ROWS = 256/' srt/layers/fp8.py
-QG_TIMEOUT=200 QG_ARGS="--rows 128 --sweep --sweep-rows 32 64 128 256 --formats fp8gemm" \
+QG_TIMEOUT=100 QG_ARGS="--layers o down --rows 128 --sweep --sweep-rows 64 128 256 --formats fp8gemm" \
   SRT="quantgemm" TAG=sw OUT=$R bash scripts/gpu_peer_run.sh > /dev/null 2>&1
 [ -f $R/srt_quant_gemm_sw.json ] || { grep fp8gemm $R/srt_quant_gemm_sw.log | cut -c1-260; tail -3 $R/srt_quant_gemm_sw.log; }
 python3 - <<PY
