@@ -7,7 +7,7 @@ set -u
 R=$OUT/c1; mkdir -p $R
 TESTS="tests/kernels/test_fp8_gemm_triton.py tests/kernels/test_fp8_triton.py" SRT="tests" \
   TAG=a OUT=$R bash scripts/gpu_peer_run.sh 2>&1 | grep -v "^/" | grep -E "passed|failed|Error" | tail -8
-QG_TIMEOUT=150 QG_ARGS="--rows 17 32 64 128 256 --formats fp8" SRT="quantgemm" TAG=a OUT=$R \
+QG_TIMEOUT=90 QG_ARGS="--rows 17 32 64 128 256 --formats fp8" SRT="quantgemm" TAG=a OUT=$R \
   bash scripts/gpu_peer_run.sh 2>&1 | grep -v "^/" | grep -A21 "^layer" | cut -c1-200
 W1() { SRT="offline:llama3-8b" SRT_ARGS="--quantization fp8" TAG=$1 OUT=$R \
   bash scripts/gpu_peer_run.sh > /dev/null 2>&1
