@@ -32,8 +32,10 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # product is bound by the weight's bytes, the activation's quantization only adds a kernel.
 WEIGHT_ONLY_MAX_ROWS = 16
 # Rows up to which FP8 x FP8 products run in the split-K kernel rather than torch._scaled_mm,
-# whose one program per output tile leaves most SMs idle on decode batches.
-FP8_GEMM_MAX_ROWS = 256
+# whose one program per output tile leaves most SMs idle on small batches. One H100, the 8B
+# layers (benchmarks/results/README.md, 2026-12-07): at 17-64 rows the kernel is 1.02-1.59x
+# _scaled_mm's speed on every layer; at 128 0.75-1.03x, at 256 0.66-0.87x.
+FP8_GEMM_MAX_ROWS = 64
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,7 +46,9 @@ def _poisoned_call(args, dtype, cfg):
     (3, 16, 48, 5)])
 def test_equals_the_float64_product(m: int, n: int, k: int, split: int) -> None:
     args, want = _case(m, n, k, seed=m * 1000 + n + k)
-    cfg = Fp8GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=split)
+    # (FP8 MMA on a GPU takes K tiles of 32 or more)
+    cfg = Fp8GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16 if DEV == "cpu" else 32,
+                        SPLIT_K=split)
     got = _poisoned_call(args, torch.float32, cfg)
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), want, rtol=1e-5,
@@ -88,10 +90,11 @@ def test_kernels_compile_for_sm90() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("layer", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-@pytest.mark.parametrize("m", [17, 64, 128, 256])
+@pytest.mark.parametrize("m", [17, 64, 128, 256])  # (the kernel serves 17-64 in Fp8Weight)
 def test_gpu_layer_widths(layer: tuple[int, int], m: int) -> None:
-    """The default tiles at the 8B layers' widths, bf16 out; and through Fp8Weight.matmul, which
-    must match torch._scaled_mm's product of the same quantized activations."""
+    """The default tiles at the 8B layers' widths, bf16 out; and through Fp8Weight.matmul (the
+    split-K kernel up to FP8_GEMM_MAX_ROWS rows), which must match torch._scaled_mm's product
+    of the same quantized activations."""
     n, k = layer
     args, want = _case(m, n, k, seed=m + n)
     got = _poisoned_call(args, torch.bfloat16, None)

@@ -13,7 +13,7 @@ W1() { SRT="offline:llama3-8b" SRT_ARGS="--quantization fp8" TAG=$1 OUT=$R \
   bash scripts/gpu_peer_run.sh > /dev/null 2>&1
   python3 -c "import json;d=json.load(open('$R/srt_offline_llama3-8b_$1.json'));print('W1 $1',d['wall_s'],round(d['out_tok_per_s']),round(d['of_floor'],3))" ; }
 W1 k
-sed -i 's/^FP8_GEMM_MAX_ROWS = 256$/FP8_GEMM_MAX_ROWS = 0/' srt/layers/fp8.py
+sed -i 's/^FP8_GEMM_MAX_ROWS = 256$/FP8_GEMM_MAX_ROWS = 0/' srt/layers/fp8.py  # (256 when this ran)
 W1 s
 sed -i 's/^FP8_GEMM_MAX_ROWS = 0$/FP8_GEMM_MAX_ROWS = 256/' srt/layers/fp8.py
 QG_TIMEOUT=100 QG_ARGS="--layers o down --rows 128 --sweep --sweep-rows 64 128 256 --formats fp8gemm" \
