@@ -374,19 +374,32 @@ async def _warm(base_url: str, endpoint: str, spec: RequestSpec) -> RequestResul
         return await send_request(session, base_url, endpoint, spec)
 
 
-def flush(base_url: str, timeout: float = 30.0) -> None:
-    """POST /flush_cache, retrying while the server still finishes earlier requests (409)."""
+def flush(base_url: str, timeout: float = 30.0, path: str = "/flush_cache") -> None:
+    """POST `path` (srt's /flush_cache; vLLM's /reset_prefix_cache), retrying while the server
+    still finishes earlier requests (409); an empty path flushes nothing."""
     import urllib.error
 
+    if not path:
+        return
     deadline = time.monotonic() + timeout
     while True:
         try:
-            _post(base_url + "/flush_cache")
+            _post(base_url + path)
             return
         except urllib.error.HTTPError as e:
             if e.code != 409 or time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def _server_info(base_url: str) -> dict[str, Any]:
+    """srt's /get_server_info, or {} from a server without it (another engine's)."""
+    import urllib.error
+
+    try:
+        return json.loads(urllib.request.urlopen(base_url + "/get_server_info", timeout=60).read())
+    except urllib.error.HTTPError:
+        return {}
 
 
 def parse_rates(values: list[str]) -> list[float]:
@@ -404,6 +417,9 @@ def main() -> None:
                    help="start the server (random weights of --shape) on a free port, stop it")
     p.add_argument("--launch-timeout", type=float, default=900.0)
     p.add_argument("--endpoint", default="generate", choices=["generate", "completions"])
+    p.add_argument("--flush-path", default="/flush_cache",
+                   help="POSTed before each configuration to empty the prefix cache (vLLM: "
+                   "/reset_prefix_cache, with VLLM_SERVER_DEV_MODE=1); '' for none")
     p.add_argument("--request-rate", nargs="+", default=None,
                    help="requests/s (Poisson), 'inf' for all at once; several allowed "
                         "(long-mix: of the short requests, default 4)")
@@ -482,7 +498,7 @@ def main() -> None:
                 [rng.randrange(2, a.max_token_id) for _ in range(a.long_input_len)],
                 a.long_output_len))
             for cfg in configs:
-                flush(base_url)
+                flush(base_url, path=a.flush_path)
                 items = make_long_mix(a, cfg.request_rate)
                 row = asyncio.run(run_long_mix_http(
                     base_url, a.endpoint, items, cfg.max_concurrency, not a.no_progress,
@@ -491,12 +507,11 @@ def main() -> None:
         else:
             warm_up(base_url, a.endpoint, specs[0])
             for cfg in configs:
-                flush(base_url)
+                flush(base_url, path=a.flush_path)
                 row = asyncio.run(run_http(base_url, a.endpoint, specs, cfg, a.seed,
                                            not a.no_progress, a.timeout))
                 rows.append({**asdict(cfg), "endpoint": a.endpoint, **row})
-        server_info = json.loads(urllib.request.urlopen(base_url + "/get_server_info",
-                                                        timeout=60).read())
+        server_info = _server_info(base_url)
     finally:
         if srv is not None:
             srv.stop()

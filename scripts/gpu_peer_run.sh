@@ -28,6 +28,11 @@
 #   VLLM_CONSTRAINED=1  vLLM's per-token cost of the regex of bench_constrained.py (SmolLM2
 #                   shape, tokenizer from .whlgr/tok: benchmarks/vllm_constrained.py; needs
 #                   .whlvx carried: lm-format-enforcer and interegular, which the kit lacks)
+#   VLLM_SERVING="..." shapes to serve with vLLM's OpenAI server (random weights, the shape's
+#                   word tokenizer) and measure with bench_serving.py --endpoint completions at
+#                   SWEEP_ARGS (as the srt stage `serving` does); needs .whlvs carried: uvicorn,
+#                   watchfiles, prometheus-fastapi-instrumentator, python-multipart, which the
+#                   kit lacks. Give the srt stage `SRT_ARGS=--endpoint completions` to compare.
 #   TAG=a           suffix of the result files (runs A and B of one sitting)
 # Wheels srt needs that the machine lacks travel in .whl (installed to /tmp/site): for Python
 # 3.12, pyzmq, and for the HTTP stages fastapi 0.136.3 (newer ones import opentelemetry),
@@ -109,7 +114,7 @@ for stage in ${SRT:-}; do
   esac
 done
 
-if [ -n "${VLLM:-}${VLLM_LONG:-}${VLLM_CONSTRAINED:-}" ]; then
+if [ -n "${VLLM:-}${VLLM_LONG:-}${VLLM_CONSTRAINED:-}${VLLM_SERVING:-}" ]; then
   source /tmp/vllm-parts/install_vllm.sh || { echo "!! vLLM install failed"; exit 1; }
   # vLLM validates structured-output requests by importing every grammar backend, and the kit
   # lacks lm-format-enforcer: its wheels (lm-format-enforcer, interegular) travel in .whlvx
@@ -124,6 +129,36 @@ if [ -n "${VLLM:-}${VLLM_LONG:-}${VLLM_CONSTRAINED:-}" ]; then
   for shape in ${VLLM_LONG:-}; do
     run "vllm_long_${shape}_$TAG" 480 env $VLLM_ENV python3 /tmp/vllm-parts/vllm_bench.py \
       "$shape" --long --out "$OUT/vllm_long_${shape}_$TAG.json"
+  done
+  if [ -n "${VLLM_SERVING:-}" ] && ls .whlvs/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vllm-peer/site \
+      --upgrade .whlvs/*.whl || echo "!! .whlvs install failed"
+  fi
+  for shape in ${VLLM_SERVING:-}; do
+    vdir=$(python3 -c "import sys, tempfile; from benchmarks.common import write_shape_dir
+print(write_shape_dir(sys.argv[1], tempfile.mkdtemp(prefix='vllm-serve-')))" "$shape")
+    # /reset_prefix_cache (bench_serving's flush between rates) needs the dev mode
+    env $VLLM_ENV VLLM_SERVER_DEV_MODE=1 python3 -m vllm.entrypoints.openai.api_server \
+      --model "$vdir" --load-format dummy --served-model-name default --port 8123 \
+      > "$OUT/vllm_server_${shape}_$TAG.log" 2>&1 &
+    vpid=$!
+    if python3 -c "import time, urllib.request
+for _ in range(400):
+    try:
+        urllib.request.urlopen('http://127.0.0.1:8123/health', timeout=2); break
+    except Exception:
+        time.sleep(1)
+else:
+    raise SystemExit(1)"; then
+      run "vllm_serving_${shape}_$TAG" 540 python3 benchmarks/bench_serving.py \
+        --base-url http://127.0.0.1:8123 --shape "$shape" --endpoint completions \
+        --flush-path /reset_prefix_cache --input-len 256 --output-len 256 --no-progress \
+        ${SWEEP_ARGS:---request-rate 8 16 24 32 48 --num-prompts 240} \
+        --out "$OUT/vllm_serving_${shape}_$TAG.json"
+    else
+      echo "!! vLLM's server did not come up"; tail -20 "$OUT/vllm_server_${shape}_$TAG.log"
+    fi
+    kill $vpid 2> /dev/null; wait $vpid 2> /dev/null
   done
   if [ -n "${VLLM_CONSTRAINED:-}" ]; then
     run "vllm_constrained_$TAG" 400 env $VLLM_ENV python3 benchmarks/vllm_constrained.py \
