@@ -7,13 +7,16 @@ For each layer (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4
 M: device time per product of bf16 (`F.linear`), FP8 as srt runs it (srt/layers/fp8.py: the
 weight-only kernel up to WEIGHT_ONLY_MAX_ROWS rows, else per-token activation quantization +
 the split-K kernel up to FP8_GEMM_MAX_ROWS or `torch._scaled_mm`), FP8 through `_scaled_mm` at
-every M (`fp8_smm`), the split-K kernel at every M (`fp8_gemm`), and AWQ int4 group 128
+every M (`fp8_smm`), `_scaled_mm` with unit tensor-wise scales and both scale vectors applied
+to its product afterwards (`fp8_smm_tw`: cuBLASLt's FP8 kernels instead of the row-wise
+path), the split-K kernel at every M (`fp8_gemm`), and AWQ int4 group 128
 (srt/layers/awq.py AwqKernelWeight). Times are of 20 products replayed in one CUDA graph (no
 launch gaps; the median of 20 replays), each on its own copy of the weight (copies of at
 least 200 MB together, so that weights come from memory, not the L2). The floor is the weight bytes over the copy bandwidth
 measured in the same run. `--sweep` also times the weight-only kernel's tiles (both formats)
 at each M and prints the best per layer, format and M next to the default's (`--formats
-fp8gemm`: the split-K FP8 x FP8 kernel's tiles and splits, activation quantization included). `--dtype
+fp8gemm`: the split-K FP8 x FP8 kernel's tiles and splits, activation quantization
+included). `--dtype
 float16` runs activations and the dense weight (the `bf16` columns) in float16.
 `awq_values_ms`: the int4 kernel at its default tiles with X_WORDS off (x read one value at a
 time rather than as words of two channels; packed path, M <= 4), which the sweep also tries.
@@ -147,6 +150,17 @@ def main() -> None:
             return torch._scaled_mm(xq, fp8.qweight.t(), scale_a=xs, scale_b=fp8.scale_row,
                                     out_dtype=x.dtype)
 
+        one = torch.ones((), device="cuda")
+
+        def smm_tensorwise(x: torch.Tensor, fp8: Fp8Weight) -> torch.Tensor:
+            # unit tensor-wise scales (cuBLASLt's FP8 kernels rather than the row-wise path),
+            # the scale vectors applied to the product afterwards (two passes: an upper bound
+            # on what a fused epilogue would cost)
+            xq, xs = quantize_per_token_triton(x)
+            out = torch._scaled_mm(xq, fp8.qweight.t(), scale_a=one, scale_b=one,
+                                   out_dtype=x.dtype)
+            return out.mul_(xs).mul_(fp8.scale_row)
+
         def gemm(x: torch.Tensor, fp8: Fp8Weight, cfg: Any = None) -> torch.Tensor:
             xq, xs = quantize_per_token_triton(x)
             return fp8_gemm(xq, xs, fp8.qweight, fp8.scale, x.dtype, config=cfg)
@@ -158,6 +172,8 @@ def main() -> None:
             row["fp8_ms"] = graph_ms(lambda i: fp8s[i % len(fp8s)].matmul(x))
             row["fp8_smm_ms"] = (graph_ms(lambda i: smm(x, fp8s[i % len(fp8s)]))
                                  if fp80.scaled_mm else float("nan"))
+            row["fp8_smm_tw_ms"] = (graph_ms(lambda i: smm_tensorwise(x, fp8s[i % len(fp8s)]))
+                                    if fp80.scaled_mm else float("nan"))
             row["fp8_gemm_ms"] = (graph_ms(lambda i: gemm(x, fp8s[i % len(fp8s)]))
                                   if fp80.scaled_mm else float("nan"))
             row["awq_ms"] = (graph_ms(lambda i: awqs[i % len(awqs)].matmul(x)) if awq
@@ -187,10 +203,10 @@ def main() -> None:
                 continue
             timed.sort(key=lambda t: t[0])
             smm_ms = graph_ms(lambda i: smm(x, fp8s[i % len(fp8s)]))
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
             sweep_out.append({"layer": name, "fmt": "fp8gemm", "M": m,
                               "default_ms": graph_ms(lambda i: gemm(x, fp8s[i % len(fp8s)])),
-                              "default": str(default_fp8_gemm_config(
-                                  m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)),
+                              "default": str(default_fp8_gemm_config(m, n, k, sms)),
                               "best_ms": timed[0][0], "best": str(timed[0][1]),
                               "next": "; ".join(f"{c} {ms:.4f}" for ms, c in timed[1:4]),
                               "floor_ms": floors["fp8"], "smm_ms": smm_ms})
@@ -219,8 +235,8 @@ def main() -> None:
                               "next": "; ".join(f"{c} {ms:.4f}" for ms, c in timed[1:4]),
                               "floor_ms": floors[fmt]})
             print(sweep_out[-1], flush=True)  # kept if the run is cut short
-    cols = ["layer", "M", "bf16_ms", "fp8_ms", "fp8_smm_ms", "fp8_gemm_ms", "awq_ms",
-            "awq_values_ms", "bf16_x_floor", "fp8_x_floor", "awq_x_floor", "fp8_vs_bf16",
+    cols = ["layer", "M", "bf16_ms", "fp8_ms", "fp8_smm_ms", "fp8_smm_tw_ms", "fp8_gemm_ms",
+            "awq_ms", "awq_values_ms", "bf16_x_floor", "fp8_x_floor", "awq_x_floor", "fp8_vs_bf16",
             "gemm_vs_smm", "awq_vs_bf16"]
     for r in rows_out:
         r.setdefault("awq_values_ms", float("nan"))
