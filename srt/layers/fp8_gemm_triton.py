@@ -19,7 +19,8 @@ FP8_GEMM_MAX_ROWS).
 
 Products in FP8 on the tensor cores with float32 sums (Hopper's FP8 MMA keeps fewer bits in
 its sums than float32 does: the GPU tests hold it to a float64 product of the same FP8 values
-within 1e-2 of the largest output, bf16 rounding included). In Triton's interpreter (the CPU tests) the FP8 tiles are multiplied in float32.
+within 1e-2 of the largest output, bf16 rounding included). In Triton's interpreter (the CPU
+tests) the FP8 tiles are multiplied in float32.
 """
 
 from __future__ import annotations
