@@ -120,6 +120,7 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     if not torch.cuda.is_available():
         sys.exit("bench_quant_gemm needs a CUDA GPU")
+    from srt.layers.attention.triton_ops.decode_config import device_num_sms
     from srt.layers.awq import AwqKernelWeight, AwqWeight, quantize_awq
     from srt.layers.fp8 import Fp8Weight, quantize_per_channel
     from srt.layers.fp8_gemm_triton import default_fp8_gemm_config, fp8_gemm
@@ -203,7 +204,7 @@ def main() -> None:
                 continue
             timed.sort(key=lambda t: t[0])
             smm_ms = graph_ms(lambda i: smm(x, fp8s[i % len(fp8s)]))
-            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            sms = device_num_sms()
             sweep_out.append({"layer": name, "fmt": "fp8gemm", "M": m,
                               "default_ms": graph_ms(lambda i: gemm(x, fp8s[i % len(fp8s)])),
                               "default": str(default_fp8_gemm_config(m, n, k, sms)),

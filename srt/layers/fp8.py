@@ -7,8 +7,8 @@ weight in a weight-only Triton kernel (srt/layers/quant_gemm_triton.py; compute 
 8.9 and newer); larger ones quantize the activations per token (`scale = max|x_token| / 448`)
 and multiply in FP8 with both scale vectors (Hopper and newer): up to FP8_GEMM_MAX_ROWS rows
 (decode batches) in srt's split-K kernel (srt/layers/fp8_gemm_triton.py), beyond through
-`torch._scaled_mm` (row-wise scaling). Elsewhere (the CPU, older GPUs, shapes `_scaled_mm` cannot take) the weight is
-dequantized to the activation dtype for each product: slow, exact to the dequantized weight,
+`torch._scaled_mm` (row-wise scaling). Elsewhere (the CPU, older GPUs, shapes `_scaled_mm`
+cannot take) the weight is dequantized to the activation dtype for each product: slow, exact to the dequantized weight,
 which is what the tests compare against.
 
 The experts of a mixture-of-experts layer are quantized the same way, expert by expert (one

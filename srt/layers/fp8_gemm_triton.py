@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from srt.layers.attention.triton_ops.decode_config import device_num_sms
 from srt.layers.fp8 import FP8_DTYPE
 
 
@@ -127,12 +128,6 @@ def default_fp8_gemm_config(m: int, n: int, k: int, num_sms: int) -> Fp8GemmConf
     return Fp8GemmConfig(bm, bn, bk, split, 8 if bm == 128 else 4)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # (the interpreter: an H100's count, so the CPU tests split as a GPU would)
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
              out_dtype: torch.dtype, config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """(xq * xs) @ (w * s[:, None]).T -> [M, N] in out_dtype: xq [M, K] float8_e4m3fn with
@@ -148,7 +143,8 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, s: torch.Tenso
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    cfg = config or default_fp8_gemm_config(m, n, k, _num_sms(xq.device))
+    # (the interpreter counts an H100's 132 SMs, so the CPU tests split as a GPU would)
+    cfg = config or default_fp8_gemm_config(m, n, k, device_num_sms(xq.device))
     k_tiles = triton.cdiv(k, cfg.BLOCK_K)
     split = max(1, min(cfg.SPLIT_K, k_tiles))
     k_per_split = triton.cdiv(k_tiles, split) * cfg.BLOCK_K

@@ -79,8 +79,7 @@ class ModelProcess:
         self.inflight: InFlight | None = None  # the last launched decode step, not yet read
         self.overlap = not args.disable_overlap_schedule
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
-        cap = fill_cap_tokens(args, self.runner.model)
-        self.fill_cap = cap
+        self.fill_cap = cap = fill_cap_tokens(args, self.runner.model)
         self.decoding_chunk_size = min(cap, self.chunk_size or cap) if cap > 0 else self.chunk_size
         self.mixed = args.enable_mixed_chunk
         self._decode_turn = False  # running requests decode once before the next fill
